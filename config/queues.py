@@ -1,0 +1,14 @@
+"""Queues and routes, declared once. Stages name their queue; nothing redeclares these."""
+
+from __future__ import annotations
+
+from kombu import Exchange, Queue
+
+EXCHANGE = Exchange("conveyor", type="direct")
+
+QUEUES = [
+    Queue("default", EXCHANGE, routing_key="default"),
+    Queue("demo", EXCHANGE, routing_key="demo"),
+]
+
+DEFAULT_QUEUE = "default"

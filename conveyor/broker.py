@@ -1,0 +1,106 @@
+"""Delivery through Celery/kombu, plus the broker epoch that detects a wiped Redis."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from celery import Celery
+from kombu.entity import Queue
+from redis import Redis
+
+JOB_HEADER = "conveyor_job_id"
+# Options of a stored message that publishing again must carry, so canvases survive.
+REPUBLISH_OPTIONS = (
+    "chain",
+    "chord",
+    "link",
+    "link_error",
+    "group_id",
+    "group_index",
+    "parent_id",
+    "root_id",
+    "priority",
+)
+
+
+class Broker:
+    """Publishes job messages and owns the epoch key.
+
+    The epoch is a random value in Redis, created only right after every queue and binding
+    was declared. A job published under another epoch may have been lost with the old
+    Redis, so the relay republishes it. kombu drops a publish silently while the exchange
+    bindings are missing, so a publisher that finds no epoch declares first.
+    """
+
+    def __init__(self, app: Celery, redis: Redis, queues: Sequence[Queue], key_prefix: str) -> None:
+        self.app = app
+        self.redis = redis
+        self.queues = list(queues)
+        self.epoch_key = f"{key_prefix}epoch"
+        self.key_prefix = key_prefix
+        self._epoch: str | None = None
+        self._epoch_read = 0.0
+        self._lock = threading.Lock()
+
+    def epoch(self, *, max_age: float = 1.0) -> str:
+        """The current epoch, declaring queues and creating one if Redis has none.
+
+        A cached value up to ``max_age`` old is fine: a publish made under an epoch that
+        just vanished records the old epoch and is republished by the relay.
+        """
+        now = time.monotonic()
+        if self._epoch is not None and now - self._epoch_read < max_age:
+            return self._epoch
+        with self._lock:
+            value = self.redis.get(self.epoch_key)
+            if value is None:
+                self.declare_all()
+                self.redis.set(self.epoch_key, secrets.token_hex(8), nx=True)
+                value = self.redis.get(self.epoch_key)
+            self._epoch = value.decode() if isinstance(value, bytes) else str(value)
+            self._epoch_read = now
+            return self._epoch
+
+    def declare_all(self) -> None:
+        """Declare every queue, exchange and binding, bypassing kombu's declared-cache."""
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            for queue in self.queues:
+                queue.bind(channel).declare()  # type: ignore[no-untyped-call]
+
+    def publish(
+        self,
+        *,
+        stage: str,
+        job_id: str,
+        queue: str,
+        payload: Mapping[str, Any],
+        options: Mapping[str, Any],
+        task_id: str | None = None,
+    ) -> str:
+        """Send one job message; returns the Celery task id used (fresh unless given)."""
+        task_id = task_id or str(uuid.uuid4())
+        extra = {k: options[k] for k in REPUBLISH_OPTIONS if options.get(k) is not None}
+        self.app.send_task(
+            stage,
+            args=(),
+            kwargs=dict(payload),
+            task_id=task_id,
+            queue=queue,
+            headers={JOB_HEADER: job_id},
+            **extra,
+        )
+        return task_id
+
+    def notify(self, job_id: str, status: str) -> None:
+        """Wake anyone waiting on ``job_id`` (see :meth:`JobHandle.wait`)."""
+        self.redis.publish(self.wake_channel(job_id), status)
+
+    def wake_channel(self, job_id: str) -> str:
+        """The pub/sub channel announcing ``job_id``'s terminal state."""
+        return f"{self.key_prefix}done:{job_id}"

@@ -1,0 +1,444 @@
+"""``conveyor``: run the platform, inspect jobs, work the DLQ, run the self-check."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from conveyor.errors import ConveyorError, NotRunning
+from conveyor.settings import ConveyorSettings
+
+cli = typer.Typer(help="Conveyor: Celery jobs that are always accounted for.", no_args_is_help=True)
+jobs_cli = typer.Typer(help="Inspect and cancel jobs.", no_args_is_help=True)
+dlq_cli = typer.Typer(help="The dead-letter queue.", no_args_is_help=True)
+db_cli = typer.Typer(help="Database schema.", no_args_is_help=True)
+cli.add_typer(jobs_cli, name="jobs")
+cli.add_typer(dlq_cli, name="dlq")
+cli.add_typer(db_cli, name="db")
+
+console = Console()
+err = Console(stderr=True)
+
+
+def _import(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    mod = importlib.import_module(module)
+    return getattr(mod, attr) if attr else mod
+
+
+def load_platform(*, require_services: bool = True) -> Any:
+    """Import the deployment's app module and return its platform."""
+    settings = ConveyorSettings()
+    platform = _import(settings.app).platform
+    if require_services and not (platform.settings.redis_url and platform.settings.database_url):
+        raise NotRunning(
+            "nothing to attach to: start `conveyor up` (same CONVEYOR_HOME) or set "
+            "CONVEYOR_REDIS_URL and CONVEYOR_DATABASE_URL"
+        )
+    return platform
+
+
+def _migrate(platform: Any) -> None:
+    try:
+        upgrade: Callable[[Any], None] = _import("config.migrations:upgrade")
+    except (ImportError, AttributeError):
+        from conveyor.db.migrate import upgrade as upgrade
+    upgrade(platform.engine)
+
+
+def _run(fn: Callable[[], int | None]) -> None:
+    try:
+        code = fn() or 0
+    except ConveyorError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        code = 2
+    raise typer.Exit(code)
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+@cli.command()
+def up(
+    concurrency: int = typer.Option(None, help="worker pool size (default: setting)"),
+    flower: bool = typer.Option(False, help="also run Flower (basic auth, read-only)"),
+) -> None:
+    """Run everything in one: services (embedded if unset), migrations, worker+relay, beat."""
+
+    def main() -> int:
+        from conveyor.procs import service_env, start_worker, stop
+        from conveyor.runfile import RunInfo, claim_run, release_run
+        from conveyor.services import attach, start_embedded
+
+        base = ConveyorSettings()
+        home = base.resolved_home()
+        services = attach(base) if base.redis_url and base.database_url else None
+        services = services or start_embedded(base)
+        info = RunInfo(
+            pid=os.getpid(),
+            redis_url=services.redis_url,
+            database_url=services.database_url,
+            started_at=time.time(),
+            redis_pid=services.embedded_redis.pid if services.embedded_redis else None,
+        )
+        try:
+            claim_run(home, info)
+        except RuntimeError as exc:
+            services.stop()
+            err.print(f"[red]{exc}[/red]")
+            return 2
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            platform = load_platform(require_services=False)
+            platform.bind(redis_url=services.redis_url, database_url=services.database_url)
+            _migrate(platform)
+            settings = platform.settings
+            logs = home / "logs"
+            logs.mkdir(exist_ok=True)
+            queues = [q.name for q in platform.queues]
+            procs.append(
+                start_worker(settings, queues=queues, concurrency=concurrency, log_path=logs / "worker.log")
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "celery", "-A", settings.app, "beat", "-l", "INFO"],
+                    env=service_env(settings),
+                    stdout=open(logs / "beat.log", "ab"),  # noqa: SIM115
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            if flower:
+                procs.append(_flower_process(settings, port=settings.flower_port))
+            console.print(
+                f"[green]conveyor up[/green]: redis {services.redis_url} · db {services.database_url}"
+            )
+            console.print(f"logs in {logs}; Ctrl-C to stop")
+            stopping = threading.Event()
+            signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+            try:
+                while not stopping.wait(1.0):
+                    if any(p.poll() is not None for p in procs):
+                        err.print("[red]a child process exited; stopping[/red]")
+                        return 1
+            except KeyboardInterrupt:
+                pass
+            return 0
+        finally:
+            for p in procs:
+                stop(p)
+            services.stop()
+            release_run(home, os.getpid())
+
+    _run(main)
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(
+    ctx: typer.Context,
+    metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
+) -> None:
+    """Run a Celery worker for the deployment (extra args go to ``celery worker``)."""
+
+    def main() -> int:
+        platform = load_platform()
+        if metrics_port:
+            from conveyor.metrics import serve
+
+            platform.metrics.enable()
+            serve(metrics_port, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+        argv = ["worker", "-l", "INFO", *ctx.args]
+        platform.app.worker_main(argv)
+        return 0
+
+    _run(main)
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def beat(ctx: typer.Context) -> None:
+    """Run celery beat (in-memory schedule state: no shelve file)."""
+    _run(lambda: load_platform().app.start(["beat", "-l", "INFO", *ctx.args]))
+
+
+def _flower_process(
+    settings: ConveyorSettings, *, port: int, password: str | None = None
+) -> subprocess.Popen[bytes]:
+    from conveyor.procs import service_env
+
+    password = password or settings.flower_password or secrets.token_urlsafe(12)
+    console.print(
+        f"Flower on http://127.0.0.1:{port} "
+        f"user [bold]{settings.flower_user}[/bold] password [bold]{password}[/bold]"
+    )
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            settings.app,
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            f"--basic-auth={settings.flower_user}:{password}",
+            "--read_only=True",
+        ],
+        env=service_env(settings),
+        start_new_session=True,
+    )
+
+
+@cli.command()
+def flower(
+    port: int = typer.Option(None, help="port (default: setting)"),
+    password: str = typer.Option(None, help="basic-auth password (default: setting or random)"),
+) -> None:
+    """Run Flower, read-only and behind basic auth (never ``--persistent``: it pickles)."""
+
+    def main() -> int:
+        from conveyor.procs import stop
+
+        platform = load_platform()
+        proc = _flower_process(
+            platform.settings, port=port or platform.settings.flower_port, password=password
+        )
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return stop(proc)
+
+    _run(main)
+
+
+@db_cli.command("upgrade")
+def db_upgrade() -> None:
+    """Create or upgrade the platform's and the families' tables."""
+
+    def main() -> int:
+        _migrate(load_platform())
+        console.print("database is up to date")
+        return 0
+
+    _run(main)
+
+
+# -- jobs ---------------------------------------------------------------------------------
+
+
+@jobs_cli.command("list")
+def jobs_list(
+    status: str = typer.Option(None), stage: str = typer.Option(None), limit: int = typer.Option(50)
+) -> None:
+    """Newest jobs first."""
+
+    def main() -> int:
+        from sqlalchemy import select
+
+        from conveyor.db.schema import jobs
+
+        platform = load_platform()
+        q = select(jobs).order_by(jobs.c.created_at.desc()).limit(limit)
+        if status:
+            q = q.where(jobs.c.status == status)
+        if stage:
+            q = q.where(jobs.c.stage == stage)
+        with platform.engine.connect() as conn:
+            rows = list(conn.execute(q).mappings())
+        table = Table("id", "stage", "label", "status", "attempts", "created")
+        for r in rows:
+            table.add_row(
+                r["id"],
+                r["stage"],
+                r["label"] or "",
+                r["status"],
+                f"{r['attempts']}/{r['max_attempts']}",
+                f"{r['created_at']:%Y-%m-%d %H:%M:%S}",
+            )
+        console.print(table)
+        return 0
+
+    _run(main)
+
+
+@jobs_cli.command("show")
+def jobs_show(job_id: str) -> None:
+    """One job, with its events."""
+
+    def main() -> int:
+        platform = load_platform()
+        handle = platform.job(job_id)
+        try:
+            row = dict(handle.row())
+        except LookupError as exc:
+            err.print(str(exc))
+            return 1
+        console.print_json(json.dumps(row, default=str))
+        events, _ = handle.events()
+        for e in events:
+            console.print(f"  {e.position:>16}  {e.topic:<20} {json.dumps(e.body, default=str)}")
+        return 0
+
+    _run(main)
+
+
+# -- dlq ----------------------------------------------------------------------------------
+
+
+@dlq_cli.command("list")
+def dlq_list(
+    stage: str = typer.Option(None),
+    queue: str = typer.Option(None),
+    page: int = typer.Option(1),
+    per_page: int = typer.Option(50),
+) -> None:
+    """Open dead letters, newest first, with each job's label."""
+
+    def main() -> int:
+        result = load_platform().dlq.list(stage=stage, queue=queue, page=page, per_page=per_page)
+        table = Table(
+            "id",
+            "job",
+            "stage",
+            "label",
+            "error",
+            "message",
+            "attempts",
+            "when",
+            title=f"dead letters (page {result.page}, {result.total} open)",
+        )
+        for e in result.items:
+            table.add_row(
+                str(e["id"]),
+                e["job_id"] or "-",
+                e["stage"] or "-",
+                e["label"] or "-",
+                e["error_type"],
+                e["message"][:80],
+                str(e["attempts"]),
+                f"{e['created_at']:%m-%d %H:%M:%S}",
+            )
+        console.print(table)
+        return 0
+
+    _run(main)
+
+
+@dlq_cli.command("show")
+def dlq_show(entry_id: int) -> None:
+    """One dead letter, with traceback and headers."""
+
+    def main() -> int:
+        entry = load_platform().dlq.show(entry_id)
+        if entry is None:
+            err.print(f"no dead letter {entry_id}")
+            return 1
+        console.print_json(json.dumps(dict(entry), default=str))
+        return 0
+
+    _run(main)
+
+
+@dlq_cli.command("retry")
+def dlq_retry(entry_id: int) -> None:
+    """Retry one entry's job with a fresh attempt budget."""
+
+    def main() -> int:
+        job = load_platform().dlq.retry(entry_id, by=f"cli@{socket.gethostname()}")
+        if job is None:
+            err.print(f"dead letter {entry_id} is not retryable (already retried, or no job)")
+            return 1
+        console.print(f"retrying job {job}")
+        return 0
+
+    _run(main)
+
+
+@dlq_cli.command("retry-all")
+def dlq_retry_all(stage: str = typer.Option(None), queue: str = typer.Option(None)) -> None:
+    """Retry every open entry matching the filters."""
+
+    def main() -> int:
+        ids = load_platform().dlq.retry_all(stage=stage, queue=queue)
+        console.print(f"retried {len(ids)} job(s)")
+        return 0
+
+    _run(main)
+
+
+@dlq_cli.command("purge")
+def dlq_purge(older_than_days: float = typer.Option(None, help="default: the retention setting")) -> None:
+    """Delete dead letters past retention."""
+
+    def main() -> int:
+        n = load_platform().dlq.purge(older_than_days=older_than_days)
+        console.print(f"purged {n} dead letter(s)")
+        return 0
+
+    _run(main)
+
+
+# -- the main job -------------------------------------------------------------------------
+
+
+@cli.command()
+def demo(
+    jobs: int = typer.Option(300, help="number of plain self-check jobs"),
+    concurrency: int = typer.Option(2, help="worker pool size"),
+) -> None:
+    """Self-check: push a few hundred jobs through a real worker and assert the outcome."""
+
+    def main() -> int:
+        from conveyor.procs import start_worker, stop
+        from conveyor.services import attach, start_embedded
+
+        base = ConveyorSettings()
+        services = attach(base)
+        attached = services is not None
+        services = services or start_embedded(base)
+        proc = None
+        try:
+            platform = load_platform(require_services=False)
+            platform.bind(redis_url=services.redis_url, database_url=services.database_url)
+            _migrate(platform)
+            if not attached or (base.redis_url and base.database_url):
+                logs = platform.settings.resolved_home() / "logs"
+                logs.mkdir(exist_ok=True)
+                proc = start_worker(
+                    platform.settings,
+                    queues=[q.name for q in platform.queues],
+                    concurrency=concurrency,
+                    log_path=logs / "demo-worker.log",
+                    extra_env={"CONVEYOR_RELAY_INTERVAL": "0.2", "CONVEYOR_RECONCILER_INTERVAL": "1"},
+                )
+            check = _import(platform.settings.demo)
+            ok = check(platform, console, jobs=jobs)
+            return 0 if ok else 1
+        finally:
+            if proc is not None:
+                stop(proc)
+            services.stop()
+
+    _run(main)
+
+
+def main() -> None:
+    """Console entry point."""
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Job state in SQL: schema, dialect differences, engines and migrations."""

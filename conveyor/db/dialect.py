@@ -1,0 +1,219 @@
+"""Every difference between Postgres and SQLite lives here.
+
+* Time: Postgres stores ``timestamptz``; SQLite stores integer milliseconds since the epoch.
+  Either way Python sees aware UTC datetimes, and every comparison uses the database clock
+  (:class:`db_now`), never the caller's.
+* Event positions: on Postgres an event's position is ``(txid, id)`` and readers only see
+  transactions older than the oldest one still running, so a lower id that commits last is
+  never skipped. SQLite serialises writers, so ``id`` order already is commit order.
+* Mutual exclusion for the relay: a Postgres advisory lock; on SQLite an ``flock`` file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Dialect, Engine, event, text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import TypeDecorator, TypeEngine
+
+UTC = dt.UTC
+
+
+class Timestamp(TypeDecorator[dt.datetime]):
+    """An aware UTC datetime: ``timestamptz`` on Postgres, epoch milliseconds on SQLite."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def load_dialect_impl(self, dialect: Dialect) -> TypeEngine[Any]:
+        if dialect.name == "sqlite":
+            return dialect.type_descriptor(BigInteger())
+        return dialect.type_descriptor(DateTime(timezone=True))
+
+    def process_bind_param(self, value: dt.datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        if dialect.name == "sqlite":
+            return int(value.timestamp() * 1000)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
+        if value is None:
+            return None
+        if dialect.name == "sqlite":
+            return dt.datetime.fromtimestamp(int(value) / 1000, tz=UTC)
+        assert isinstance(value, dt.datetime)
+        return value.astimezone(UTC)
+
+
+class db_now(FunctionElement[dt.datetime]):
+    """The database's clock, now (``clock_timestamp()`` on Postgres)."""
+
+    type = Timestamp()
+    inherit_cache = True
+
+
+class db_now_plus(FunctionElement[dt.datetime]):
+    """The database's clock plus a number of seconds (a bound float)."""
+
+    type = Timestamp()
+    inherit_cache = True
+
+
+_SQLITE_NOW_MS = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+
+
+@compiles(db_now, "postgresql")
+def _now_pg(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return "clock_timestamp()"
+
+
+@compiles(db_now, "sqlite")
+def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
+    return _SQLITE_NOW_MS
+
+
+@compiles(db_now_plus, "postgresql")
+def _now_plus_pg(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"(clock_timestamp() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
+
+
+@compiles(db_now_plus, "sqlite")
+def _now_plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
+    return f"({_SQLITE_NOW_MS} + CAST(({compiler.process(element.clauses, **kw)}) * 1000 AS INTEGER))"
+
+
+def is_sqlite(bind: Engine | Connection) -> bool:
+    """True when ``bind`` talks to SQLite."""
+    return bind.dialect.name == "sqlite"
+
+
+def configure_engine(engine: Engine) -> None:
+    """Per-dialect connection setup: SQLite gets WAL, a busy timeout and ``BEGIN IMMEDIATE``.
+
+    ``BEGIN IMMEDIATE`` takes the write lock up front; a deferred transaction that reads
+    and then writes can fail with SQLITE_BUSY halfway, which would look like a lost race.
+    """
+    if not is_sqlite(engine):
+        return
+    writer_lock = _writer_lock(str(engine.url.database))
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        dbapi_conn = conn.connection.dbapi_connection
+        # Threads of one process queue on a lock instead of SQLite's sleeping busy handler.
+        writer_lock.acquire()
+        try:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except BaseException:
+            writer_lock.release()
+            raise
+        if isinstance(dbapi_conn, LockingConnection):
+            dbapi_conn.held = writer_lock
+
+
+_writer_locks: dict[str, threading.Lock] = {}
+_writer_locks_guard = threading.Lock()
+
+
+def _writer_lock(path: str) -> threading.Lock:
+    with _writer_locks_guard:
+        return _writer_locks.setdefault(path, threading.Lock())
+
+
+class LockingConnection(sqlite3.Connection):
+    """A sqlite3 connection that releases the in-process writer lock when its transaction ends."""
+
+    held: threading.Lock | None = None
+
+    def _release(self) -> None:
+        lock, self.held = self.held, None
+        if lock is not None:
+            lock.release()
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        finally:
+            self._release()
+
+    def rollback(self) -> None:
+        try:
+            super().rollback()
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._release()
+
+
+# -- event positions -------------------------------------------------------------------
+
+EVENT_TXID_DEFAULT_PG = "(pg_current_xact_id()::text)::bigint"
+
+
+def visible_txid_horizon(conn: Connection) -> int | None:
+    """Events of transactions below this txid are all committed or aborted (Postgres).
+
+    Returns None on SQLite, where every committed event is already in commit order.
+    """
+    if is_sqlite(conn):
+        return None
+    return int(
+        conn.execute(text("SELECT (pg_snapshot_xmin(pg_current_snapshot())::text)::bigint")).scalar_one()
+    )
+
+
+# -- singleton locks -------------------------------------------------------------------
+
+
+def try_singleton_lock(conn: Connection, key: int, lock_dir: Path) -> bool:
+    """Take a lock held until ``conn``'s transaction ends (Postgres) or the process exits.
+
+    On SQLite there is one database file per home, so an ``flock`` in the home is enough.
+    """
+    if not is_sqlite(conn):
+        return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}).scalar_one())
+    return _file_lock(lock_dir / f"lock-{key}")
+
+
+_held_files: dict[Path, int] = {}
+
+
+def _file_lock(path: Path) -> bool:
+    if path in _held_files:
+        return True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False
+    _held_files[path] = fd
+    return True

@@ -1,0 +1,46 @@
+"""Engines: psycopg 3 for Postgres, the stdlib driver for the embedded SQLite file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.pool import NullPool
+
+from conveyor.db.dialect import LockingConnection, configure_engine
+
+
+def normalize_url(url: str) -> str:
+    """Point plain ``postgresql://`` URLs at psycopg 3."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def sqlite_url(home: Path) -> str:
+    """The embedded default database inside ``home``."""
+    return f"sqlite:///{(home / 'conveyor.db').resolve()}"
+
+
+def make_engine(url: str, *, pool_size: int = 5) -> Engine:
+    """Create an engine with bounded pools and dialect setup applied."""
+    url = normalize_url(url)
+    if url.startswith("sqlite"):
+        # One connection per checkout: SQLite connections are cheap and must not cross threads.
+        engine = create_engine(
+            url,
+            poolclass=NullPool,
+            connect_args={"check_same_thread": False, "factory": LockingConnection, "timeout": 30},
+        )
+    else:
+        engine = create_engine(
+            url,
+            pool_size=pool_size,
+            max_overflow=0,
+            pool_pre_ping=True,
+            pool_timeout=30,
+            pool_recycle=1800,
+        )
+    configure_engine(engine)
+    return engine

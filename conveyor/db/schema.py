@@ -1,0 +1,128 @@
+"""The platform's tables. Migrations in ``conveyor/migrations`` create them; this module
+is what the code queries. Domain tables of a deployment live in their own metadata."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    FetchedValue,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    text,
+)
+
+from conveyor.db.dialect import Timestamp
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING)
+
+# An autoincrementing 64-bit key on Postgres that SQLite still treats as its rowid alias.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+# Statuses. Terminal ones never change again (except a DLQ retry of a dead job).
+QUEUED = "queued"
+RUNNING = "running"
+RETRYING = "retrying"
+SUCCEEDED = "succeeded"
+DEAD = "dead"
+CANCELLED = "cancelled"
+EXPIRED = "expired"
+SKIPPED = "skipped"
+
+TERMINAL = frozenset({SUCCEEDED, DEAD, CANCELLED, EXPIRED, SKIPPED})
+CLAIMABLE = (QUEUED, RETRYING)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("stage", String(200), nullable=False),
+    Column("queue", String(100), nullable=False),
+    Column("status", String(20), nullable=False),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("payload", JSON, nullable=False),
+    Column("label", String(200), nullable=True),
+    Column("idempotency_key", String(200), nullable=True, unique=True),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("max_attempts", Integer, nullable=False),
+    Column("run_at", Timestamp(), nullable=False),
+    Column("expires_at", Timestamp(), nullable=True),
+    Column("lease_owner", String(200), nullable=True),
+    Column("heartbeat_at", Timestamp(), nullable=True),
+    Column("error_type", String(200), nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("result", JSON, nullable=True),
+    Column("progress", JSON, nullable=True),
+    Column("flow_id", String(36), nullable=True),
+    Column("parent_id", String(36), nullable=True),
+    # Everything needed to publish the message again: chain, chord, links, group ids.
+    Column("options", JSON, nullable=False),
+    Column("origin_task_id", String(64), nullable=True),
+    Column("celery_task_id", String(64), nullable=True),
+    Column("published_at", Timestamp(), nullable=True),
+    Column("broker_epoch", String(40), nullable=True),
+    Column("cancel_requested_at", Timestamp(), nullable=True),
+    Column("cancelled_by", String(200), nullable=True),
+    Column("cancel_reason", Text, nullable=True),
+    Column("created_at", Timestamp(), nullable=False),
+    Column("updated_at", Timestamp(), nullable=False),
+    Column("started_at", Timestamp(), nullable=True),
+    Column("finished_at", Timestamp(), nullable=True),
+    Index(
+        "ix_jobs_due",
+        "run_at",
+        postgresql_where=text("published_at IS NULL AND status IN ('queued', 'retrying')"),
+        sqlite_where=text("published_at IS NULL AND status IN ('queued', 'retrying')"),
+    ),
+    Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
+    Index("ix_jobs_status_published", "status", "published_at"),
+    Index("ix_jobs_stage_status", "stage", "status"),
+    Index("ix_jobs_flow", "flow_id"),
+    Index("ix_jobs_finished", "finished_at"),
+)
+
+job_events = Table(
+    "job_events",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    # Postgres: the writing transaction's id (server default); SQLite: 0.
+    Column("txid", BigInteger, nullable=False, server_default=FetchedValue()),
+    Column("job_id", String(36), nullable=True),
+    Column("topic", String(100), nullable=False),
+    Column("body", JSON, nullable=False),
+    Column("created_at", Timestamp(), nullable=False),
+    Index("ix_job_events_position", "txid", "id"),
+    Index("ix_job_events_job", "job_id", "id"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("job_id", String(36), nullable=True),
+    Column("stage", String(200), nullable=True),
+    Column("queue", String(100), nullable=True),
+    Column("label", String(200), nullable=True),
+    Column("error_type", String(200), nullable=False),
+    Column("message", Text, nullable=False),
+    Column("traceback", Text, nullable=True),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("headers", JSON, nullable=True),
+    Column("created_at", Timestamp(), nullable=False),
+    Column("retried_at", Timestamp(), nullable=True),
+    Column("retried_by", String(200), nullable=True),
+    Index("ix_dead_letters_open", "retried_at", "id"),
+    Index("ix_dead_letters_job", "job_id"),
+    Index("ix_dead_letters_created", "created_at"),
+)

@@ -1,0 +1,88 @@
+"""A handle on one job: status, wait, result, events, cancel."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from conveyor.db import schema as s
+from conveyor.store import Row
+
+if TYPE_CHECKING:
+    from conveyor.platform import Platform
+
+
+@dataclass
+class JobEvent:
+    """One outbox event."""
+
+    id: int
+    job_id: str | None
+    topic: str
+    body: dict[str, Any]
+    position: str
+
+
+class JobHandle:
+    """What :meth:`Platform.submit` returns. ``deduplicated`` is True when an existing job
+    (same idempotency key or canvas task id) was returned instead of a new one."""
+
+    def __init__(
+        self, platform: Platform, job_id: str, *, deduplicated: bool = False, task_id: str | None = None
+    ) -> None:
+        self.platform = platform
+        self.id = job_id
+        self.deduplicated = deduplicated
+        self.task_id = task_id
+
+    def __repr__(self) -> str:
+        return f"<JobHandle {self.id}{' (deduplicated)' if self.deduplicated else ''}>"
+
+    def row(self) -> Row:
+        """The job's current row."""
+        with self.platform.engine.connect() as conn:
+            row = self.platform.store.get(conn, self.id)
+        if row is None:
+            raise LookupError(f"job {self.id} not found")
+        return row
+
+    def status(self) -> str:
+        """The job's current status."""
+        return str(self.row()["status"])
+
+    @property
+    def result(self) -> Any:
+        """The stored result of a succeeded job (None otherwise)."""
+        return self.row()["result"]
+
+    def wait(self, timeout: float = 30.0) -> str:
+        """Block until the job is terminal; returns the status. Raises ``TimeoutError``.
+
+        Subscribes to the job's wake channel *before* reading the status, so a completion
+        between the two cannot be missed; no sleep-polling.
+        """
+        deadline = time.monotonic() + timeout
+        pubsub = self.platform.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        try:
+            pubsub.subscribe(self.platform.broker.wake_channel(self.id))
+            while True:
+                status = self.status()
+                if status in s.TERMINAL:
+                    return status
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
+                # A bounded wait also covers a notification lost with a Redis restart.
+                pubsub.get_message(timeout=min(left, 5.0))
+        finally:
+            pubsub.close()
+
+    def events(self, since: str | None = None) -> tuple[list[JobEvent], str | None]:
+        """This job's events after cursor ``since``, and the next cursor."""
+        with self.platform.engine.connect() as conn:
+            rows, cursor = self.platform.store.events_since(conn, since, job_id=self.id)
+        return [
+            JobEvent(r["id"], r["job_id"], r["topic"], dict(r["body"]), f"{r['txid']}:{r['id']}")
+            for r in rows
+        ], cursor

@@ -1,0 +1,463 @@
+"""The platform object: one per Celery app. Declares stages, submits jobs, owns connections."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from celery import Celery, Signature
+from kombu.entity import Queue
+from pydantic import BaseModel
+from redis import Redis
+from sqlalchemy import Connection, Engine, update
+from sqlalchemy import event as sa_event
+from sqlalchemy.orm import Session
+
+from conveyor.broker import Broker
+from conveyor.celeryconfig import PLACEHOLDER_BROKER
+from conveyor.db import schema as s
+from conveyor.db.dialect import db_now
+from conveyor.db.engine import make_engine
+from conveyor.db.schema import jobs
+from conveyor.dlq import DeadLetterQueue
+from conveyor.errors import ConfigurationError, NotRunning
+from conveyor.handle import JobHandle
+from conveyor.metrics import Metrics
+from conveyor.retry import Backoff, RetryPolicy
+from conveyor.runner import Runner
+from conveyor.settings import ConveyorSettings
+from conveyor.stage import StageSpec, StageTask, payload_from_call
+from conveyor.store import JobStore, NewJob, Row, new_event
+
+log = logging.getLogger("conveyor")
+
+STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*){2,}$")
+PENDING_KEY = "conveyor_pending_publish"
+
+
+class Platform:
+    """Binds Conveyor to one Celery app: stages, job store, broker, relay."""
+
+    def __init__(
+        self,
+        app: Celery,
+        settings: ConveyorSettings,
+        *,
+        queues: Sequence[Queue],
+        default_queue: str = "default",
+    ) -> None:
+        self.app = app
+        self.settings = settings
+        self.queues = list(queues)
+        self.queue_names = {q.name for q in self.queues}
+        self.default_queue = default_queue
+        self.stages: dict[str, StageSpec] = {}
+        self.store = JobStore(lease_timeout=settings.lease_timeout)
+        self.runner = Runner(self)
+        self.metrics = Metrics(settings)
+        self._engine: Engine | None = None
+        self._redis: Redis | None = None
+        self._broker: Broker | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        app.conveyor = self
+
+    # -- wiring -------------------------------------------------------------------------
+
+    def bind(self, *, redis_url: str, database_url: str) -> None:
+        """Point the platform (and the Celery app) at concrete services."""
+        self.settings = self.settings.with_urls(redis_url, database_url)
+        self.app.conf.update(broker_url=redis_url, result_backend=redis_url)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget connections (after fork, or after :meth:`bind`)."""
+        if self._engine is not None:
+            self._engine.dispose(close=os.getpid() == self._pid)
+        self._engine = None
+        self._redis = None
+        self._broker = None
+        self._pid = os.getpid()
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:
+            self.reset()
+
+    @property
+    def engine(self) -> Engine:
+        """This process's SQLAlchemy engine (bounded pool)."""
+        self._check_pid()
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    url = self.settings.database_url
+                    if not url:
+                        raise NotRunning(
+                            "no database configured: run `conveyor up` or set CONVEYOR_DATABASE_URL"
+                        )
+                    self._engine = make_engine(url, pool_size=self.settings.db_pool_size)
+        return self._engine
+
+    @property
+    def redis(self) -> Redis:
+        """This process's Redis client (for Conveyor's own keys)."""
+        self._check_pid()
+        if self._redis is None:
+            url = self.settings.redis_url
+            if not url or url == PLACEHOLDER_BROKER:
+                raise NotRunning("no Redis configured: run `conveyor up` or set CONVEYOR_REDIS_URL")
+            self._redis = Redis.from_url(url, health_check_interval=30, socket_timeout=30)
+        return self._redis
+
+    @property
+    def broker(self) -> Broker:
+        """Publisher and epoch keeper."""
+        self._check_pid()
+        if self._broker is None:
+            self._broker = Broker(self.app, self.redis, self.queues, self.settings.key_prefix)
+        return self._broker
+
+    # -- declaring stages ---------------------------------------------------------------
+
+    def stage(
+        self,
+        name: str,
+        *,
+        payload: type[BaseModel],
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        retry: RetryPolicy | None = None,
+        time_limit: float | None = None,
+        soft_time_limit: float | None = None,
+        priority: int = 0,
+        label: Callable[[Any], str] | None = None,
+        retry_on_timeout: bool = False,
+    ) -> Callable[[Callable[..., Any]], StageTask]:
+        """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``.
+
+        Policy lives here: queue, attempts, retry schedule, time limits, priority and a
+        label function for humans. Deployment overrides (``CONVEYOR_STAGES``) win.
+        """
+        if not STAGE_NAME.match(name):
+            raise ConfigurationError(f"stage name {name!r} must look like 'conveyor.<family>.<verb>'")
+        queue = queue or self.default_queue
+        if queue not in self.queue_names:
+            raise ConfigurationError(f"stage {name}: queue {queue!r} is not declared in config")
+        override = self.settings.stage_override(name)
+        hard = override.time_limit or time_limit or self.settings.default_time_limit
+        soft = (
+            override.soft_time_limit
+            or soft_time_limit
+            or min(self.settings.default_soft_time_limit, hard * 0.9)
+        )
+        if hard >= self.settings.visibility_timeout:
+            raise ConfigurationError(
+                f"stage {name}: hard time limit {hard}s must be below the visibility timeout "
+                f"{self.settings.visibility_timeout}s"
+            )
+        attempts = override.max_attempts or max_attempts or self.settings.default_max_attempts
+
+        def decorate(fn: Callable[..., Any]) -> StageTask:
+            spec = StageSpec(
+                name=name,
+                fn=fn,
+                payload=payload,
+                queue=queue,
+                max_attempts=attempts,
+                retry=retry or Backoff(),
+                time_limit=hard,
+                soft_time_limit=soft,
+                priority=priority,
+                label=label,
+                retry_on_timeout=retry_on_timeout,
+            )
+            self.stages[name] = spec
+            task = self.app.task(
+                name=name,
+                base=StageTask,
+                spec=spec,
+                platform=self,
+                time_limit=hard,
+                soft_time_limit=soft,
+                queue=queue,
+                shared=False,
+            )(fn)
+            return task  # type: ignore[no-any-return]
+
+        return decorate
+
+    def spec(self, stage: str | StageTask | StageSpec) -> StageSpec:
+        """Resolve a stage by name, task or spec."""
+        if isinstance(stage, StageSpec):
+            return stage
+        name = stage if isinstance(stage, str) else stage.name
+        if name not in self.stages:
+            # Callers (web apps, the CLI) may not have imported the stage modules yet.
+            self.app.loader.import_default_modules()
+        try:
+            return self.stages[name]
+        except KeyError:
+            raise ConfigurationError(f"unknown stage {name!r}") from None
+
+    # -- submitting ---------------------------------------------------------------------
+
+    def submit(
+        self,
+        stage: str | StageTask | StageSpec,
+        payload: BaseModel | Mapping[str, Any] | None = None,
+        *,
+        session: Session | None = None,
+        idempotency_key: str | None = None,
+        delay: float = 0.0,
+        run_at: dt.datetime | None = None,
+        expires_in: float | None = None,
+        priority: int | None = None,
+        label: str | None = None,
+        max_attempts: int | None = None,
+    ) -> JobHandle:
+        """Record a job and publish it after commit. Returns a :class:`JobHandle`.
+
+        With ``session`` the job joins the caller's transaction: it is published only
+        if and when that transaction commits. An ``idempotency_key`` seen before returns
+        the existing job (any state) with ``deduplicated=True``.
+        """
+        spec = self.spec(stage)
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
+        model = spec.validate(data)
+        if run_at is not None:
+            delay = max(delay, (run_at - dt.datetime.now(dt.UTC)).total_seconds())
+        new = NewJob(
+            stage=spec.name,
+            queue=spec.queue,
+            payload=model.model_dump(mode="json"),
+            max_attempts=max_attempts or spec.max_attempts,
+            priority=spec.priority if priority is None else priority,
+            label=label or spec.label_for(model),
+            idempotency_key=idempotency_key,
+            delay=max(0.0, delay),
+            expires_in=expires_in,
+        )
+        new.origin_task_id = new.id
+        return self._enqueue(new, session=session)
+
+    def submit_call(
+        self,
+        spec: StageSpec,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        task_id: str | None,
+        link: Any,
+        link_error: Any,
+        options: Mapping[str, Any],
+    ) -> JobHandle:
+        """``apply_async``/``delay``/canvas path: same validation and row as :meth:`submit`."""
+        model = spec.validate(payload_from_call(args, kwargs))
+        delay = float(options.get("countdown") or 0.0)
+        eta = options.get("eta")
+        if isinstance(eta, str):
+            eta = dt.datetime.fromisoformat(eta)
+        if isinstance(eta, dt.datetime):
+            eta = eta if eta.tzinfo else eta.replace(tzinfo=dt.UTC)
+            delay = max(delay, (eta - dt.datetime.now(dt.UTC)).total_seconds())
+        expires = options.get("expires")
+        expires_in: float | None = None
+        if isinstance(expires, (int, float)):
+            expires_in = float(expires)
+        elif isinstance(expires, dt.datetime):
+            expires_in = (expires - dt.datetime.now(dt.UTC)).total_seconds()
+        stored = _signature_options(options, link=link, link_error=link_error)
+        job_id = task_id or str(uuid.uuid4())
+        new = NewJob(
+            id=job_id,
+            stage=spec.name,
+            queue=options.get("queue") or spec.queue,
+            payload=model.model_dump(mode="json"),
+            max_attempts=spec.max_attempts,
+            priority=spec.priority,
+            label=spec.label_for(model),
+            delay=max(0.0, delay),
+            expires_in=expires_in,
+            options=stored,
+            origin_task_id=job_id,
+            parent_id=_job_of_task(options.get("parent_id")),
+        )
+        if isinstance(new.queue, Queue):
+            new.queue = new.queue.name
+        return self._enqueue(new, session=None)
+
+    def continuation(self, sig: Signature, result: Any, parent: Row, extra: Mapping[str, Any]) -> NewJob:
+        """The job a chain link or link callback becomes; its id is fixed by the canvas."""
+        spec = self.spec(sig.task)
+        args = tuple(sig.args or ())
+        if not sig.immutable:
+            args = (result, *args)
+        model = spec.validate(payload_from_call(args, dict(sig.kwargs or {})))
+        opts = dict(sig.options or {})
+        task_id = opts.pop("task_id", None)
+        job_id = task_id or str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:next:{parent['id']}:{sig.task}"))
+        stored = _signature_options(
+            {**opts, **extra}, link=opts.get("link"), link_error=opts.get("link_error")
+        )
+        return NewJob(
+            id=job_id,
+            stage=spec.name,
+            queue=opts.get("queue") or spec.queue,
+            payload=model.model_dump(mode="json"),
+            max_attempts=spec.max_attempts,
+            priority=spec.priority,
+            label=spec.label_for(model),
+            options=stored,
+            origin_task_id=job_id,
+            flow_id=parent["flow_id"],
+            parent_id=parent["id"],
+        )
+
+    def insert_job(self, conn: Connection, new: NewJob, *, epoch: str | None) -> bool:
+        """Insert ``new`` (marked as published under ``epoch`` if due now) plus its event."""
+        created = self.store.insert(conn, new)[1]
+        if created:
+            if new.delay <= 0 and epoch is not None:
+                conn.execute(
+                    update(jobs)
+                    .where(jobs.c.id == new.id)
+                    .values(celery_task_id=new.origin_task_id, published_at=db_now(), broker_epoch=epoch)
+                )
+            self.store.emit(conn, [new_event(new.id, "job.submitted", {"stage": new.stage})])
+            self.metrics.inc("submitted", new.stage)
+        return created
+
+    def _enqueue(self, new: NewJob, *, session: Session | None) -> JobHandle:
+        epoch = self.broker.epoch() if new.delay <= 0 else None
+        if session is not None:
+            conn = session.connection()
+            job_id, created = self.store.insert(conn, new)
+            if created:
+                if epoch is not None:
+                    conn.execute(
+                        update(jobs)
+                        .where(jobs.c.id == new.id)
+                        .values(celery_task_id=new.origin_task_id, published_at=db_now(), broker_epoch=epoch)
+                    )
+                self.store.emit(conn, [new_event(new.id, "job.submitted", {"stage": new.stage})])
+                self.metrics.inc("submitted", new.stage)
+                if new.delay <= 0:
+                    _after_commit(session, lambda: self.publish_new(new))
+            return JobHandle(self, job_id, deduplicated=not created, task_id=new.origin_task_id)
+        with self.engine.begin() as conn:
+            created = self.insert_job(conn, new, epoch=epoch)
+            found = new.id if created else self.store.find_existing(conn, new.id, new.idempotency_key)
+        assert found is not None
+        job_id = found
+        if created and new.delay <= 0:
+            self.publish_new(new)
+        return JobHandle(self, job_id, deduplicated=not created, task_id=new.origin_task_id)
+
+    def publish_new(self, new: NewJob) -> None:
+        """Publish a freshly committed job. On failure the relay will publish it."""
+        try:
+            self.broker.publish(
+                stage=new.stage,
+                job_id=new.id,
+                queue=new.queue,
+                payload=new.payload,
+                options=new.options,
+                task_id=new.origin_task_id,
+            )
+        except Exception:
+            log.warning("publish of job %s failed; the relay will publish it", new.id, exc_info=True)
+            try:
+                with self.engine.begin() as conn:
+                    conn.execute(
+                        update(jobs)
+                        .where(jobs.c.id == new.id, jobs.c.status == s.QUEUED)
+                        .values(published_at=None)
+                    )
+            except Exception:
+                log.warning("could not mark job %s unpublished; republish_after covers it", new.id)
+
+    def republish_if_queued(self, job_id: str) -> None:
+        """Publish ``job_id`` again (fresh task id) if it is still waiting to be claimed."""
+        with self.engine.begin() as conn:
+            row = self.store.get(conn, job_id)
+        if row is None or row["status"] not in s.CLAIMABLE:
+            return
+        self.republish(row)
+
+    def republish(self, row: Row) -> str | None:
+        """Publish a stored job again with its stored options and a fresh task id."""
+        epoch = self.broker.epoch()
+        with self.engine.begin() as conn:
+            task_id = self.store.mark_for_publish(conn, row, epoch=epoch)
+        if task_id is None:
+            return None
+        self.broker.publish(
+            stage=row["stage"],
+            job_id=row["id"],
+            queue=row["queue"],
+            payload=row["payload"],
+            options=row["options"] or {},
+            task_id=task_id,
+        )
+        return task_id
+
+    # -- handles ------------------------------------------------------------------------
+
+    @property
+    def dlq(self) -> DeadLetterQueue:
+        """The dead-letter queue."""
+        return DeadLetterQueue(self)
+
+    def job(self, job_id: str) -> JobHandle:
+        """A handle on an existing job."""
+        return JobHandle(self, job_id)
+
+
+def _signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any) -> dict[str, Any]:
+    """The subset of apply_async options needed to publish the same message again."""
+    keep = ("chain", "chord", "group_id", "group_index", "parent_id", "root_id")
+    out = {k: _plain(options[k]) for k in keep if options.get(k) is not None}
+    if link:
+        out["link"] = _plain(link if isinstance(link, list) else [link])
+    if link_error:
+        out["link_error"] = _plain(link_error if isinstance(link_error, list) else [link_error])
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """Signatures are dicts; make nested ones plain JSON-able structures."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _job_of_task(task_id: Any) -> str | None:
+    return str(task_id) if task_id else None
+
+
+def _after_commit(session: Session, fn: Callable[[], None]) -> None:
+    """Run ``fn`` after ``session`` commits; drop it on rollback."""
+    pending: list[Callable[[], None]] = session.info.setdefault(PENDING_KEY, [])
+    if not session.info.get(PENDING_KEY + "_hooked"):
+        session.info[PENDING_KEY + "_hooked"] = True
+
+        def on_commit(sess: Session) -> None:
+            todo = sess.info.get(PENDING_KEY) or []
+            sess.info[PENDING_KEY] = []
+            for f in todo:
+                f()
+
+        def on_rollback(sess: Session) -> None:
+            sess.info[PENDING_KEY] = []
+
+        sa_event.listen(session, "after_commit", on_commit)
+        sa_event.listen(session, "after_soft_rollback", lambda sess, _tx: on_rollback(sess))
+    pending.append(fn)

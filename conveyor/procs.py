@@ -1,0 +1,81 @@
+"""Starting and stopping real worker/beat/flower processes (``up``, ``demo``, tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from conveyor.settings import ConveyorSettings
+
+
+def service_env(settings: ConveyorSettings, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a child process needs to reach the same services."""
+    env = dict(os.environ)
+    assert settings.redis_url and settings.database_url
+    env["CONVEYOR_REDIS_URL"] = settings.redis_url
+    env["CONVEYOR_DATABASE_URL"] = settings.database_url
+    env["CONVEYOR_HOME"] = str(settings.resolved_home())
+    env.update(extra or {})
+    return env
+
+
+def start_worker(
+    settings: ConveyorSettings,
+    *,
+    queues: Sequence[str],
+    concurrency: int | None = None,
+    hostname: str | None = None,
+    log_path: Path | None = None,
+    extra_env: Mapping[str, str] | None = None,
+    extra_args: Sequence[str] = (),
+) -> subprocess.Popen[bytes]:
+    """Start ``celery worker`` (prefork) for ``settings.app`` as a child process."""
+    args = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        settings.app,
+        "worker",
+        "-Q",
+        ",".join(queues),
+        "-c",
+        str(concurrency or settings.worker_concurrency),
+        "-P",
+        "prefork",
+        "-l",
+        "INFO",
+        "--without-mingle",
+        "--without-gossip",
+        "-n",
+        hostname or f"conveyor-{os.getpid()}-{time.monotonic_ns()}@%h",
+        *extra_args,
+    ]
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    return subprocess.Popen(
+        args,
+        env=service_env(settings, extra_env),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes], *, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
+    """Signal ``proc`` (warm shutdown by default), escalate to SIGKILL after ``timeout``."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass
+    return int(proc.returncode if proc.returncode is not None else -1)

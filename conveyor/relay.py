@@ -1,0 +1,243 @@
+"""The relay publishes what Postgres says is due; the reconciler repairs what was lost.
+
+Both run in one background thread of every worker (and of ``conveyor up``); an advisory
+lock makes sure only one process in the cluster does the work at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import and_, delete, or_, select, update
+
+from conveyor.db import schema as s
+from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
+from conveyor.db.schema import dead_letters, job_events, jobs
+from conveyor.store import new_event
+
+if TYPE_CHECKING:
+    from conveyor.platform import Platform
+
+log = logging.getLogger("conveyor.relay")
+
+RELAY_LOCK = 0x636F6E76  # "conv"
+BATCH = 500
+
+
+@dataclass
+class TickReport:
+    """What one relay/reconciler pass did (for logs and tests)."""
+
+    published: int = 0
+    republished: int = 0
+    stalled: int = 0
+    dead: int = 0
+    expired: int = 0
+    purged: int = 0
+    skipped_lock: bool = False
+
+
+class Relay:
+    """Publishes due jobs, republishes lost ones, requeues stalled ones, expires, purges."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_reconcile = 0.0
+
+    # -- one pass -----------------------------------------------------------------------
+
+    def tick(self, *, reconcile: bool = True) -> TickReport:
+        """One pass of the relay (and the reconciler); safe to call from anywhere."""
+        p = self.platform
+        report = TickReport()
+        epoch = p.broker.epoch(max_age=0)
+        with p.engine.begin() as conn:
+            if not try_singleton_lock(conn, RELAY_LOCK, p.settings.resolved_home()):
+                report.skipped_lock = True
+                return report
+            due = (
+                conn.execute(
+                    select(jobs)
+                    .where(
+                        jobs.c.status.in_(s.CLAIMABLE),
+                        jobs.c.published_at.is_(None),
+                        jobs.c.run_at <= db_now(),
+                    )
+                    .order_by(jobs.c.priority.desc(), jobs.c.run_at)
+                    .limit(BATCH)
+                )
+                .mappings()
+                .all()
+            )
+            lost = (
+                conn.execute(
+                    select(jobs)
+                    .where(
+                        jobs.c.status.in_(s.CLAIMABLE),
+                        jobs.c.published_at.is_not(None),
+                        or_(
+                            jobs.c.broker_epoch.is_(None),
+                            jobs.c.broker_epoch != epoch,
+                            jobs.c.published_at < db_now_plus(-p.settings.republish_after),
+                        ),
+                    )
+                    .limit(BATCH)
+                )
+                .mappings()
+                .all()
+            )
+            marked = [
+                (row, task_id)
+                for row in [*due, *lost]
+                if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
+            ]
+            if reconcile:
+                self._reconcile(conn, report)
+        for row, task_id in marked:
+            self._publish(row, task_id)
+        report.published = sum(1 for r, _ in marked if r["published_at"] is None)
+        report.republished = len(marked) - report.published
+        return report
+
+    def _publish(self, row: Any, task_id: str) -> None:
+        try:
+            self.platform.broker.publish(
+                stage=row["stage"],
+                job_id=row["id"],
+                queue=row["queue"],
+                payload=row["payload"],
+                options=row["options"] or {},
+                task_id=task_id,
+            )
+        except Exception:
+            # Marked as published under this epoch; the republish_after rule retries it.
+            log.warning("relay could not publish job %s", row["id"], exc_info=True)
+
+    def _reconcile(self, conn: Any, report: TickReport) -> None:
+        p = self.platform
+        store = p.store
+        stale = (
+            conn.execute(
+                select(jobs)
+                .where(
+                    jobs.c.status == s.RUNNING,
+                    jobs.c.heartbeat_at < db_now_plus(-p.settings.lease_timeout),
+                )
+                .limit(BATCH)
+            )
+            .mappings()
+            .all()
+        )
+        for row in stale:
+            attempt = int(row["attempts"])
+            if attempt >= int(row["max_attempts"]):
+                if store.dead_letter(
+                    conn,
+                    row,
+                    error_type="WorkerLost",
+                    message=(
+                        f"attempt {attempt} of {row['max_attempts']} stopped heartbeating "
+                        "(worker crash, kill or hang); giving up"
+                    ),
+                    tb_text=None,
+                    attempt=attempt,
+                ):
+                    report.dead += 1
+                continue
+            res = conn.execute(
+                update(jobs)
+                .where(jobs.c.id == row["id"], jobs.c.status == s.RUNNING, jobs.c.attempts == attempt)
+                .values(
+                    status=s.QUEUED,
+                    published_at=None,
+                    lease_owner=None,
+                    run_at=db_now(),
+                    error_type="WorkerLost",
+                    last_error="lease expired",
+                    updated_at=db_now(),
+                )
+            )
+            if res.rowcount == 1:
+                store.emit(
+                    conn,
+                    [
+                        new_event(
+                            row["id"],
+                            "job.stalled",
+                            {"stage": row["stage"], "attempt": attempt, "previous_owner": row["lease_owner"]},
+                        )
+                    ],
+                )
+                p.metrics.inc("stalled", row["stage"])
+                report.stalled += 1
+        expired = (
+            conn.execute(
+                select(jobs)
+                .where(
+                    jobs.c.status.in_(s.CLAIMABLE),
+                    jobs.c.expires_at.is_not(None),
+                    jobs.c.expires_at <= db_now(),
+                )
+                .limit(BATCH)
+            )
+            .mappings()
+            .all()
+        )
+        for row in expired:
+            if store.finish(conn, row, s.EXPIRED, from_status=s.CLAIMABLE, topic="job.expired"):
+                p.metrics.inc("expired", row["stage"])
+                report.expired += 1
+        report.purged += self._purge(conn)
+
+    def _purge(self, conn: Any) -> int:
+        settings = self.platform.settings
+        keep = -settings.retention_days * 86400
+        n = conn.execute(
+            delete(jobs).where(jobs.c.status.in_(list(s.TERMINAL)), jobs.c.finished_at < db_now_plus(keep))
+        ).rowcount
+        n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
+        n += conn.execute(
+            delete(dead_letters).where(
+                dead_letters.c.created_at < db_now_plus(-settings.dlq_retention_days * 86400)
+            )
+        ).rowcount
+        return int(n or 0)
+
+    # -- background thread --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Run passes every ``relay_interval`` in a daemon thread."""
+        if self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="conveyor-relay", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread (waits for the current pass)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        import time
+
+        settings = self.platform.settings
+        while not self._stop.wait(settings.relay_interval):
+            now = time.monotonic()
+            reconcile = now - self._last_reconcile >= settings.reconciler_interval
+            try:
+                self.tick(reconcile=reconcile)
+                if reconcile:
+                    self._last_reconcile = now
+            except Exception:  # an outage must not kill the thread; the next pass retries
+                log.warning("relay pass failed", exc_info=True)
+
+
+__all__ = ["Relay", "TickReport", "and_"]

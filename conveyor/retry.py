@@ -1,0 +1,41 @@
+"""Retry policies. Delays are computed here and stored in Postgres as ``run_at``: no
+``countdown`` or ``eta`` ever reaches the broker."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter and a cap: ``base * 2**(attempt-1)``, jittered."""
+
+    base: float | None = None
+    cap: float | None = None
+    jitter: bool = True
+
+    def delay(self, attempt: int, *, default_base: float, default_cap: float) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        base = default_base if self.base is None else self.base
+        cap = default_cap if self.cap is None else self.cap
+        raw = min(cap, base * (2 ** max(0, attempt - 1)))
+        # Half fixed, half random: spreads a thundering herd without ever retrying instantly.
+        return float(raw / 2 + random.uniform(0, raw / 2)) if self.jitter else float(raw)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """An explicit list of delays, e.g. ``Schedule((1, 5, 30, 120, 600))``; the last repeats."""
+
+    delays: Sequence[float]
+
+    def delay(self, attempt: int, *, default_base: float, default_cap: float) -> float:
+        """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
+        if not self.delays:
+            return default_base
+        return float(self.delays[min(len(self.delays), max(1, attempt)) - 1])
+
+
+RetryPolicy = Backoff | Schedule

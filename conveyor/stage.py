@@ -1,0 +1,146 @@
+"""Stage declarations: the typed payload, the policy, and the Celery task that runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from celery import Task
+from pydantic import BaseModel, ValidationError
+
+from conveyor.errors import PayloadInvalid
+from conveyor.retry import Backoff, RetryPolicy
+
+if TYPE_CHECKING:
+    from conveyor.context import JobContext
+    from conveyor.platform import Platform
+
+StageFn = Callable[["JobContext", Any], Any]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything the platform knows about one stage, declared once in its decorator."""
+
+    name: str
+    fn: StageFn
+    payload: type[BaseModel]
+    queue: str
+    max_attempts: int
+    retry: RetryPolicy = dataclasses.field(default_factory=Backoff)
+    time_limit: float | None = None
+    soft_time_limit: float | None = None
+    priority: int = 0
+    label: Callable[[Any], str] | None = None
+    retry_on_timeout: bool = False
+
+    def validate(self, data: Mapping[str, Any]) -> BaseModel:
+        """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""
+        try:
+            return self.payload.model_validate(dict(data))
+        except ValidationError as exc:
+            raise PayloadInvalid(readable_validation_error(self.name, exc)) from None
+
+    def label_for(self, payload: BaseModel) -> str:
+        """A short human label for lists and the DLQ (never PII by convention)."""
+        if self.label is None:
+            return self.name.rsplit(".", 1)[-1]
+        try:
+            return str(self.label(payload))[:200]
+        except Exception:  # a label must never break a submit
+            return self.name
+
+
+def readable_validation_error(stage: str, exc: ValidationError) -> str:
+    """One line per problem, naming the field, without echoing the submitted values."""
+    parts = []
+    for err in exc.errors(include_input=False, include_url=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "payload"
+        parts.append(f"{loc}: {err['msg']}")
+    return f"invalid payload for {stage}: " + "; ".join(parts)
+
+
+def payload_from_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Merge a Celery call into one payload mapping.
+
+    Keyword arguments are the payload. A dict positional argument is the previous chain
+    link's result and is merged under the keywords; a list is a chord header's results
+    and arrives as ``results``.
+    """
+    data: dict[str, Any] = {}
+    for arg in args:
+        if isinstance(arg, Mapping):
+            data.update(arg)
+        elif isinstance(arg, list):
+            data["results"] = arg
+        elif arg is not None:
+            raise PayloadInvalid(
+                f"positional argument of type {type(arg).__name__} is not accepted: "
+                "pass the payload as keyword arguments"
+            )
+    data.update(kwargs)
+    return data
+
+
+def to_jsonable(value: Any) -> Any:
+    """A stage's return value as JSON-ready data."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
+
+
+class StageTask(Task):  # type: ignore[misc]
+    """Base class of every stage: the claim/complete lifecycle wraps the body.
+
+    ``apply_async`` records the job in the database before anything is published, so
+    ``delay()``, canvases and ``submit()`` all take the same path. Messages that still
+    arrive without a job row (``send_task`` from an app that never imported the stage)
+    are adopted at claim time.
+    """
+
+    spec: ClassVar[StageSpec]
+    platform: ClassVar[Platform]
+    typing = False
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.called_directly:
+            return self.platform.runner.run_inline(self.spec, args, kwargs)
+        return self.platform.runner.execute(self, args, kwargs)
+
+    def apply_async(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Submit through the platform; countdown/eta become ``run_at`` in the database."""
+        handle = self.platform.submit_call(
+            self.spec,
+            tuple(args or ()),
+            dict(kwargs or {}),
+            task_id=task_id,
+            link=link,
+            link_error=link_error,
+            options=options,
+        )
+        result = self.AsyncResult(handle.task_id or handle.id)
+        result.job = handle
+        return result
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        """Observe failures; a hard time limit is recorded here, in the worker's main process."""
+        from billiard.exceptions import TimeLimitExceeded
+
+        if isinstance(exc, TimeLimitExceeded):
+            self.platform.runner.record_hard_timeout(self.spec, task_id, exc)

@@ -1,0 +1,469 @@
+"""Job state transitions. Every status change is a compare-and-set on ``(id, status,
+attempts)``: the attempt number is the fencing token and only ever grows. All time
+comparisons use the database clock."""
+
+from __future__ import annotations
+
+import datetime as dt
+import traceback as tb
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import Connection, and_, func, insert, or_, select, update
+from sqlalchemy.engine import RowMapping
+
+from conveyor.db import schema as s
+from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, visible_txid_horizon
+from conveyor.db.schema import dead_letters, job_events, jobs
+from conveyor.runfile import pid_alive
+
+Row = Mapping[Any, Any]
+
+
+class ClaimOutcome(Enum):
+    """What a delivered message should do after trying to claim its job."""
+
+    RUN = "run"
+    LIVE_LEASE = "live_lease"  # another copy holds a live lease: skip
+    ALREADY_SUCCEEDED = "already_succeeded"  # do not run; still dispatch the continuation
+    TERMINAL = "terminal"  # dead, cancelled, expired, skipped: nothing to do
+    NOT_DUE = "not_due"  # an early copy of a delayed/backing-off job: the relay owns it
+    MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The result of :meth:`JobStore.claim`."""
+
+    outcome: ClaimOutcome
+    job: RowMapping | None = None
+    took_over: bool = False
+
+
+@dataclass
+class NewJob:
+    """A job row about to be inserted."""
+
+    stage: str
+    queue: str
+    payload: dict[str, Any]
+    max_attempts: int
+    id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    priority: int = 0
+    label: str | None = None
+    idempotency_key: str | None = None
+    delay: float = 0.0
+    expires_in: float | None = None
+    flow_id: str | None = None
+    parent_id: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    origin_task_id: str | None = None
+    status: str = s.QUEUED
+
+
+def new_event(job_id: str | None, topic: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """Values for one outbox row (insert in the same transaction as the change)."""
+    return {"job_id": job_id, "topic": topic, "body": dict(body)}
+
+
+class JobStore:
+    """SQL for the job lifecycle; every method takes the caller's connection."""
+
+    def __init__(self, *, lease_timeout: float) -> None:
+        self.lease_timeout = lease_timeout
+
+    # -- writes -------------------------------------------------------------------------
+
+    def emit(self, conn: Connection, events: Sequence[Mapping[str, Any]]) -> None:
+        """Append events to the outbox inside ``conn``'s transaction."""
+        if not events:
+            return
+        stmt = insert(job_events).values(created_at=db_now())
+        if is_sqlite(conn):
+            stmt = stmt.values(txid=0)
+        conn.execute(stmt, [dict(e) for e in events])
+
+    def insert(self, conn: Connection, job: NewJob) -> tuple[str, bool]:
+        """Insert ``job`` unless its id or idempotency key exists; return (id, created)."""
+        values = {
+            "id": job.id,
+            "stage": job.stage,
+            "queue": job.queue,
+            "status": job.status,
+            "priority": job.priority,
+            "payload": job.payload,
+            "label": job.label,
+            "idempotency_key": job.idempotency_key,
+            "attempts": 0,
+            "max_attempts": job.max_attempts,
+            "run_at": db_now_plus(job.delay) if job.delay > 0 else db_now(),
+            "expires_at": db_now_plus(job.expires_in) if job.expires_in is not None else None,
+            "flow_id": job.flow_id or job.id,
+            "parent_id": job.parent_id,
+            "options": job.options,
+            "origin_task_id": job.origin_task_id,
+            "created_at": db_now(),
+            "updated_at": db_now(),
+        }
+        if job.status in s.TERMINAL:
+            values["finished_at"] = db_now()
+        stmt = _insert_ignore(conn, values, ["id"] if job.idempotency_key is None else None)
+        created = conn.execute(stmt.returning(jobs.c.id)).first() is not None
+        if created:
+            return job.id, True
+        existing = self.find_existing(conn, job.id, job.idempotency_key)
+        if existing is None:  # lost a race with a rollback; the caller retries the whole submit
+            raise RuntimeError("job insert conflicted but no existing row was found")
+        return existing, False
+
+    def find_existing(self, conn: Connection, job_id: str, key: str | None) -> str | None:
+        """The id of the row holding ``job_id`` or idempotency ``key``."""
+        cond = jobs.c.id == job_id
+        if key is not None:
+            cond = or_(cond, jobs.c.idempotency_key == key)
+        return conn.execute(select(jobs.c.id).where(cond).limit(1)).scalar_one_or_none()
+
+    def mark_for_publish(self, conn: Connection, job: Row, *, epoch: str | None) -> str | None:
+        """CAS a still-claimable job to "published now" with a fresh task id (returned).
+
+        None when the job moved on (claimed, cancelled) since it was read.
+        """
+        task_id = str(uuid.uuid4())
+        res = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job["id"],
+                jobs.c.status.in_(s.CLAIMABLE),
+                jobs.c.attempts == job["attempts"],
+            )
+            .values(celery_task_id=task_id, broker_epoch=epoch, published_at=db_now())
+        )
+        return task_id if res.rowcount == 1 else None
+
+    # -- claim --------------------------------------------------------------------------
+
+    def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:
+        """Move ``job_id`` to ``running`` for this delivery, or say why not.
+
+        Wins from ``queued``/``retrying`` when due, unexpired and not cancelled, or from
+        ``running`` when the lease is stale (a takeover: attempt n+1). Losers lose by
+        rowcount, never by exception.
+        """
+        due = and_(
+            jobs.c.status.in_(s.CLAIMABLE),
+            jobs.c.run_at <= db_now(),
+            jobs.c.cancel_requested_at.is_(None),
+            or_(jobs.c.expires_at.is_(None), jobs.c.expires_at > db_now()),
+        )
+        row = self._take(conn, job_id, due, owner=owner, task_id=task_id)
+        if row is not None:
+            return Claim(ClaimOutcome.RUN, row)
+        current = self.get(conn, job_id)
+        if current is None:
+            return Claim(ClaimOutcome.MISSING)
+        status = current["status"]
+        if status == s.SUCCEEDED:
+            return Claim(ClaimOutcome.ALREADY_SUCCEEDED, current)
+        if status in s.TERMINAL:
+            return Claim(ClaimOutcome.TERMINAL, current)
+        if status == s.RUNNING:
+            if _owner_dead(current["lease_owner"], owner) or self._is_stale(conn, job_id):
+                return self._takeover_dead(conn, current, owner=owner, task_id=task_id)
+            return Claim(ClaimOutcome.LIVE_LEASE, current)
+        # queued or retrying, but the claim lost: cancelled, expired, or not yet due.
+        if current["cancel_requested_at"] is not None:
+            self.finish(conn, current, s.CANCELLED, from_status=(status,), topic="job.cancelled")
+            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
+        if self._expired(conn, job_id):
+            self.finish(conn, current, s.EXPIRED, from_status=(status,), topic="job.expired")
+            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
+        return Claim(ClaimOutcome.NOT_DUE, current)
+
+    def _take(
+        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str
+    ) -> RowMapping | None:
+        stmt = (
+            update(jobs)
+            .where(jobs.c.id == job_id, cond)
+            .values(
+                status=s.RUNNING,
+                attempts=jobs.c.attempts + 1,
+                lease_owner=owner,
+                heartbeat_at=db_now(),
+                started_at=db_now(),
+                updated_at=db_now(),
+                celery_task_id=task_id,
+            )
+            .returning(*jobs.c)
+        )
+        return conn.execute(stmt).mappings().one_or_none()
+
+    def _takeover_dead(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
+        """Take over from a holder that is gone; dead-letter it if it used its budget."""
+        cond = and_(
+            jobs.c.status == s.RUNNING,
+            jobs.c.attempts == current["attempts"],
+            jobs.c.lease_owner == current["lease_owner"],
+        )
+        if current["attempts"] >= current["max_attempts"]:
+            self.dead_letter(
+                conn,
+                current,
+                error_type="WorkerLost",
+                message=(
+                    f"the worker running attempt {current['attempts']} of "
+                    f"{current['max_attempts']} died (crash, OOM or kill); giving up"
+                ),
+                tb_text=None,
+            )
+            return Claim(ClaimOutcome.TERMINAL, self.get(conn, current["id"]))
+        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id)
+        if row is None:
+            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
+        self.emit(
+            conn,
+            [
+                new_event(
+                    row["id"],
+                    "job.stalled",
+                    {"previous_owner": current["lease_owner"], "attempt": row["attempts"]},
+                )
+            ],
+        )
+        return Claim(ClaimOutcome.RUN, row, took_over=True)
+
+    def _is_stale(self, conn: Connection, job_id: str) -> bool:
+        q = select(jobs.c.id).where(
+            jobs.c.id == job_id, jobs.c.heartbeat_at < db_now_plus(-self.lease_timeout)
+        )
+        return conn.execute(q).first() is not None
+
+    def _expired(self, conn: Connection, job_id: str) -> bool:
+        q = select(jobs.c.id).where(jobs.c.id == job_id, jobs.c.expires_at <= db_now())
+        return conn.execute(q).first() is not None
+
+    def heartbeat(self, conn: Connection, job_id: str, attempt: int) -> bool:
+        """Renew the lease; False means this attempt no longer owns the job."""
+        res = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status == s.RUNNING, jobs.c.attempts == attempt)
+            .values(heartbeat_at=db_now())
+        )
+        return res.rowcount == 1
+
+    # -- completion ---------------------------------------------------------------------
+
+    def succeed(self, conn: Connection, job_id: str, attempt: int, result: Any) -> bool:
+        """CAS ``running → succeeded`` for this attempt; False if the attempt was fenced off."""
+        res = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status == s.RUNNING, jobs.c.attempts == attempt)
+            .values(
+                status=s.SUCCEEDED,
+                result=result,
+                lease_owner=None,
+                finished_at=db_now(),
+                updated_at=db_now(),
+            )
+        )
+        return res.rowcount == 1
+
+    def schedule_retry(
+        self, conn: Connection, job: Row, attempt: int, delay: float, error: BaseException
+    ) -> bool:
+        """CAS ``running → retrying`` with ``run_at`` in the future; the relay republishes."""
+        res = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job["id"], jobs.c.status == s.RUNNING, jobs.c.attempts == attempt)
+            .values(
+                status=s.RETRYING,
+                run_at=db_now_plus(delay),
+                published_at=None,
+                lease_owner=None,
+                error_type=type(error).__name__,
+                last_error=_message(error),
+                updated_at=db_now(),
+            )
+        )
+        return res.rowcount == 1
+
+    def finish(
+        self,
+        conn: Connection,
+        job: Row,
+        status: str,
+        *,
+        from_status: Iterable[str],
+        topic: str,
+        attempt: int | None = None,
+        body: Mapping[str, Any] | None = None,
+        error: str | None = None,
+    ) -> bool:
+        """CAS ``from_status → status`` (a terminal one) and emit ``topic``."""
+        cond = [jobs.c.id == job["id"], jobs.c.status.in_(list(from_status))]
+        cond.append(jobs.c.attempts == (job["attempts"] if attempt is None else attempt))
+        values: dict[str, Any] = {
+            "status": status,
+            "lease_owner": None,
+            "finished_at": db_now(),
+            "updated_at": db_now(),
+        }
+        if error is not None:
+            values["last_error"] = error
+        ok = conn.execute(update(jobs).where(*cond).values(**values)).rowcount == 1
+        if ok:
+            self.emit(conn, [new_event(job["id"], topic, {"stage": job["stage"], **(body or {})})])
+        return ok
+
+    def dead_letter(
+        self,
+        conn: Connection,
+        job: Row,
+        *,
+        error_type: str,
+        message: str,
+        tb_text: str | None,
+        attempt: int | None = None,
+        from_status: Iterable[str] = (s.RUNNING,),
+    ) -> bool:
+        """CAS the job to ``dead`` and write its DLQ entry, in ``conn``'s transaction."""
+        ok = self.finish(
+            conn,
+            job,
+            s.DEAD,
+            from_status=from_status,
+            attempt=attempt,
+            topic="job.dead",
+            body={"error_type": error_type, "message": message},
+            error=message,
+        )
+        if ok:
+            conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(error_type=error_type))
+            conn.execute(
+                insert(dead_letters).values(
+                    job_id=job["id"],
+                    stage=job["stage"],
+                    queue=job["queue"],
+                    label=job["label"],
+                    error_type=error_type,
+                    message=message,
+                    traceback=tb_text,
+                    attempts=job["attempts"] if attempt is None else attempt,
+                    created_at=db_now(),
+                )
+            )
+        return ok
+
+    def record_garbage(
+        self, conn: Connection, *, error_type: str, message: str, headers: Mapping[str, Any]
+    ) -> None:
+        """A message no stage can run: DLQ entry with its headers (never its body)."""
+        conn.execute(
+            insert(dead_letters).values(
+                job_id=None,
+                stage=str(headers.get("task") or "") or None,
+                queue=None,
+                label=None,
+                error_type=error_type,
+                message=message,
+                headers=dict(headers),
+                attempts=0,
+                created_at=db_now(),
+            )
+        )
+        self.emit(conn, [new_event(None, "message.rejected", {"error_type": error_type})])
+
+    # -- reads --------------------------------------------------------------------------
+
+    def get(self, conn: Connection, job_id: str) -> RowMapping | None:
+        """One job row, or None."""
+        return conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().one_or_none()
+
+    def events_since(
+        self, conn: Connection, cursor: str | None, *, job_id: str | None = None, limit: int = 500
+    ) -> tuple[list[RowMapping], str | None]:
+        """Events after ``cursor`` in commit order, and the cursor to pass next time."""
+        txid, eid = parse_cursor(cursor)
+        horizon = visible_txid_horizon(conn)
+        q = select(job_events)
+        if horizon is None:
+            q = q.where(job_events.c.id > eid).order_by(job_events.c.id)
+        else:
+            q = q.where(
+                or_(
+                    job_events.c.txid > txid,
+                    and_(job_events.c.txid == txid, job_events.c.id > eid),
+                ),
+                job_events.c.txid < horizon,
+            ).order_by(job_events.c.txid, job_events.c.id)
+        if job_id is not None:
+            q = q.where(job_events.c.job_id == job_id)
+        rows = list(conn.execute(q.limit(limit)).mappings())
+        if not rows:
+            return rows, cursor
+        last = rows[-1]
+        return rows, f"{last['txid']}:{last['id']}"
+
+    def count_by_status(self, conn: Connection, stage: str | None = None) -> dict[str, int]:
+        """Job counts per status (optionally of one stage)."""
+        q = select(jobs.c.status, func.count()).group_by(jobs.c.status)
+        if stage is not None:
+            q = q.where(jobs.c.stage == stage)
+        return {str(k): int(v) for k, v in conn.execute(q)}
+
+
+def parse_cursor(cursor: str | None) -> tuple[int, int]:
+    """``"txid:id"`` → (txid, id); None → the beginning."""
+    if not cursor:
+        return (-1, 0)
+    txid, _, eid = cursor.partition(":")
+    return int(txid), int(eid)
+
+
+def _insert_ignore(conn: Connection, values: dict[str, Any], index: list[str] | None) -> Any:
+    if is_sqlite(conn):
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
+    stmt = dialect_insert(jobs).values(**values)
+    return stmt.on_conflict_do_nothing(index_elements=index) if index else stmt.on_conflict_do_nothing()
+
+
+def _owner_dead(lease_owner: str | None, me: str) -> bool:
+    """True when the lease belongs to a process on this host that no longer exists.
+
+    Lets a redelivered message take over at once after a pool child is killed, instead of
+    waiting a full lease timeout for the reconciler.
+    """
+    if not lease_owner:
+        return True
+    host, _, rest = lease_owner.partition(":")
+    my_host = me.partition(":")[0]
+    if host != my_host:
+        return False
+    pid_text = rest.partition(":")[0]
+    if not pid_text.isdigit():
+        return False
+    pid = int(pid_text)
+    if lease_owner == me:
+        # Our own process holds it but is free to run this message: that attempt is over.
+        return True
+    return not pid_alive(pid)
+
+
+def _message(error: BaseException) -> str:
+    text = str(error).strip() or type(error).__name__
+    return text[:2000]
+
+
+def format_traceback(error: BaseException) -> str:
+    """The traceback of ``error`` as text, bounded."""
+    return "".join(tb.format_exception(type(error), error, error.__traceback__))[-8000:]
+
+
+def now_utc() -> dt.datetime:
+    """Local wall clock; for display only, never for comparisons."""
+    return dt.datetime.now(dt.UTC)

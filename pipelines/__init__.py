@@ -1,0 +1,1 @@
+"""Pure builders of chains and chords, and the submit functions apps call."""

@@ -1,0 +1,1 @@
+"""Stage tasks, one subpackage per stage family."""

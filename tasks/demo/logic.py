@@ -1,0 +1,20 @@
+"""Plain functions behind the self-check stages."""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, insert
+
+from conveyor.db.dialect import db_now
+from tasks.demo.models import effects
+
+
+def record_effect(conn: Connection, *, job_id: str, stage: str, attempt: int, note: str | None) -> None:
+    """Write one effect row in the caller's transaction."""
+    conn.execute(
+        insert(effects).values(job_id=job_id, stage=stage, attempt=attempt, note=note, created_at=db_now())
+    )
+
+
+def square(n: int) -> int:
+    """The demo's arithmetic."""
+    return n * n

@@ -1,0 +1,119 @@
+"""Test plumbing: real Redis and Postgres, a fresh database per session, fast timers.
+
+Services missing → the tests skip, unless ``--require-services`` (CI) turns that into a
+failure. The environment is set here, before the app module is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+REDIS_BASE = os.environ.get("CONVEYOR_TEST_REDIS", "redis://127.0.0.1:6379")
+PG_BASE = os.environ.get("CONVEYOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
+REDIS_DB = 9
+TEST_DB = f"conveyor_test_{os.getpid()}"
+HOME = tempfile.mkdtemp(prefix="conveyor-test-")
+
+FAST_TIMERS = {
+    "CONVEYOR_LEASE_TIMEOUT": "3",
+    "CONVEYOR_HEARTBEAT_INTERVAL": "0.5",
+    "CONVEYOR_RELAY_INTERVAL": "0.2",
+    "CONVEYOR_RECONCILER_INTERVAL": "0.5",
+    "CONVEYOR_VISIBILITY_TIMEOUT": "30",
+    "CONVEYOR_DEFAULT_TIME_LIMIT": "20",
+    "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "15",
+    "CONVEYOR_REPUBLISH_AFTER": "10",
+    "CONVEYOR_INFRA_BACKOFF": "0.2",
+    "CONVEYOR_BACKOFF_BASE": "0.1",
+    "CONVEYOR_SOFT_SHUTDOWN_TIMEOUT": "5",
+}
+os.environ.update(FAST_TIMERS)
+os.environ["CONVEYOR_REDIS_URL"] = f"{REDIS_BASE}/{REDIS_DB}"
+os.environ["CONVEYOR_DATABASE_URL"] = f"{PG_BASE}/{TEST_DB}"
+os.environ["CONVEYOR_HOME"] = HOME
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--require-services",
+        action="store_true",
+        help="fail (instead of skipping) when Redis or Postgres is unreachable",
+    )
+
+
+def _service_problem() -> str | None:
+    import psycopg
+    import redis
+
+    try:
+        redis.Redis.from_url(f"{REDIS_BASE}/0", socket_timeout=2).ping()
+    except Exception as exc:
+        return f"Redis unreachable at {REDIS_BASE}: {exc}"
+    try:
+        psycopg.connect(f"{PG_BASE}/postgres", connect_timeout=3).close()
+    except Exception as exc:
+        return f"Postgres unreachable at {PG_BASE}: {exc}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def services(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A fresh Postgres database and an empty Redis DB for this session."""
+    problem = _service_problem()
+    if problem:
+        if request.config.getoption("--require-services"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    import psycopg
+    import redis
+
+    with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{TEST_DB}"')
+    redis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"]).flushdb()
+    from config.celery_app import platform
+    from config.migrations import upgrade
+
+    platform.app.loader.import_default_modules()
+    upgrade(platform.engine)
+    yield
+    platform.reset()
+    with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def platform(services: None) -> Any:
+    """The deployment's platform, bound to the test services."""
+    from config.celery_app import platform as p
+
+    return p
+
+
+@pytest.fixture(scope="session")
+def worker(platform: Any) -> Iterator[Any]:
+    """One in-process worker (solo pool, in a thread) for the whole session, with the relay."""
+    from celery.contrib.testing.worker import start_worker
+
+    with start_worker(
+        platform.app,
+        pool="solo",
+        concurrency=1,
+        perform_ping_check=False,
+        loglevel="WARNING",
+        shutdown_timeout=30,
+        queues=[q.name for q in platform.queues],
+    ) as w:
+        yield w
+
+
+@pytest.fixture
+def tag() -> str:
+    """A unique tag for this test's ids, keys and rows."""
+    return f"t{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,61 @@
+"""Shared test helpers (importable by tests; workers never import this)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import func, select
+
+from conveyor.db.schema import dead_letters, jobs
+from tasks.demo.models import effects
+
+
+def eventually(check: Callable[[], Any], timeout: float = 30.0, interval: float = 0.1) -> Any:
+    """Poll ``check`` until it returns something truthy; fail with its last value."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s (last value: {value!r})")
+
+
+def job_row(platform: Any, job_id: str) -> Any:
+    """The current row of a job."""
+    with platform.engine.connect() as conn:
+        return platform.store.get(conn, job_id)
+
+
+def effect_count(platform: Any, *, job_id: str | None = None, note: str | None = None) -> int:
+    """How many effect rows exist for a job or note (no unique constraint: duplicates show)."""
+    q = select(func.count()).select_from(effects)
+    if job_id is not None:
+        q = q.where(effects.c.job_id == job_id)
+    if note is not None:
+        q = q.where(effects.c.note == note)
+    with platform.engine.connect() as conn:
+        return int(conn.execute(q).scalar_one())
+
+
+def dead_letter_for(platform: Any, job_id: str) -> Any:
+    """The newest DLQ entry of a job."""
+    with platform.engine.connect() as conn:
+        return (
+            conn.execute(
+                select(dead_letters).where(dead_letters.c.job_id == job_id).order_by(dead_letters.c.id.desc())
+            )
+            .mappings()
+            .first()
+        )
+
+
+def jobs_of_flow(platform: Any, flow_id: str) -> list[Any]:
+    """Every job of a flow, oldest first."""
+    with platform.engine.connect() as conn:
+        return list(
+            conn.execute(select(jobs).where(jobs.c.flow_id == flow_id).order_by(jobs.c.created_at)).mappings()
+        )

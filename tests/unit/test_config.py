@@ -1,0 +1,67 @@
+"""Settings and the Celery configuration, without any broker."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from config.queues import QUEUES
+from conveyor.celeryconfig import celery_config
+from conveyor.settings import ConveyorSettings, StageOverride
+
+
+def test_refuses_hard_limit_not_below_visibility_timeout() -> None:
+    with pytest.raises(ValidationError, match="below the visibility"):
+        ConveyorSettings(visibility_timeout=60, default_time_limit=60)
+    with pytest.raises(ValidationError, match=r"conveyor\.files\.extract"):
+        ConveyorSettings(
+            visibility_timeout=60,
+            default_time_limit=30,
+            stages={"conveyor.files.extract": StageOverride(time_limit=90)},
+        )
+
+
+def test_reads_prefixed_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONVEYOR_LEASE_TIMEOUT", "7")
+    monkeypatch.setenv("CONVEYOR_STAGES", '{"conveyor.demo.noop": {"max_attempts": 9}}')
+    s = ConveyorSettings()
+    assert s.lease_timeout == 7
+    assert s.stage_override("conveyor.demo.noop").max_attempts == 9
+
+
+def test_celery_config_is_pure_and_safe() -> None:
+    settings = ConveyorSettings(
+        redis_url="redis://h:1/2", visibility_timeout=100, default_time_limit=50, default_soft_time_limit=40
+    )
+    conf = celery_config(settings, queues=QUEUES)
+    assert conf == celery_config(settings, queues=QUEUES)
+    assert conf["accept_content"] == ["json"] and conf["result_accept_content"] == ["json"]
+    assert conf["task_serializer"] == conf["result_serializer"] == conf["event_serializer"] == "json"
+    assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"]
+    assert conf["worker_prefetch_multiplier"] == 1 and conf["worker_disable_prefetch"]
+    assert conf["broker_transport_options"]["visibility_timeout"] == 100
+    assert conf["result_backend_transport_options"]["visibility_timeout"] == 100
+    assert conf["worker_send_task_events"] and conf["task_send_sent_event"]
+    assert conf["worker_state_db"] is None and "Persistent" not in conf["beat_scheduler"]
+    assert conf["task_create_missing_queues"] is False
+
+
+def test_stage_declaration_refuses_long_limit() -> None:
+    from celery import Celery
+
+    from conveyor.errors import ConfigurationError
+    from conveyor.platform import Platform
+
+    settings = ConveyorSettings(visibility_timeout=100, default_time_limit=50, default_soft_time_limit=40)
+    platform = Platform(Celery("t"), settings, queues=QUEUES)
+    from pydantic import BaseModel
+
+    class P(BaseModel):
+        x: int
+
+    with pytest.raises(ConfigurationError, match="visibility timeout"):
+        platform.stage("conveyor.t.slow", payload=P, time_limit=100)(lambda ctx, p: None)
+    with pytest.raises(ConfigurationError, match="not declared"):
+        platform.stage("conveyor.t.lost", payload=P, queue="nowhere")(lambda ctx, p: None)
+    with pytest.raises(ConfigurationError, match=r"conveyor\.<family>\.<verb>"):
+        platform.stage("Bad Name", payload=P)(lambda ctx, p: None)

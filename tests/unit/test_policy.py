@@ -1,0 +1,52 @@
+"""Retry policies, payload handling and the error tree."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from conveyor.errors import PayloadInvalid, PermanentError, TransientError, is_permanent
+from conveyor.retry import Backoff, Schedule
+from conveyor.stage import StageSpec, payload_from_call
+from conveyor.store import parse_cursor
+
+
+def test_backoff_is_exponential_jittered_and_capped() -> None:
+    b = Backoff(base=1, cap=10)
+    for attempt, raw in [(1, 1), (2, 2), (3, 4), (5, 10), (9, 10)]:
+        d = b.delay(attempt, default_base=99, default_cap=99)
+        assert raw / 2 <= d <= raw
+    assert Backoff(jitter=False).delay(3, default_base=0.5, default_cap=100) == 2.0
+
+
+def test_explicit_schedule_repeats_last() -> None:
+    s = Schedule((1, 5, 30, 120, 600))
+    assert [s.delay(a, default_base=0, default_cap=0) for a in (1, 2, 5, 6, 9)] == [1, 5, 600, 600, 600]
+
+
+def test_error_tree_drives_policy() -> None:
+    assert is_permanent(PayloadInvalid("x")) and is_permanent(PermanentError("x"))
+    assert not is_permanent(TransientError("x")) and not is_permanent(ValueError("x"))
+
+
+class P(BaseModel):
+    n: int
+
+
+def test_payload_validation_is_readable_and_hides_values() -> None:
+    spec = StageSpec(name="conveyor.t.x", fn=lambda c, p: None, payload=P, queue="q", max_attempts=1)
+    with pytest.raises(PayloadInvalid) as info:
+        spec.validate({"n": "secret-value"})
+    assert "n: " in str(info.value) and "secret-value" not in str(info.value)
+
+
+def test_payload_from_call_merges_chain_results_and_chord_lists() -> None:
+    assert payload_from_call(({"n": 1},), {"m": 2}) == {"n": 1, "m": 2}
+    assert payload_from_call(([1, 2],), {}) == {"results": [1, 2]}
+    with pytest.raises(PayloadInvalid, match="keyword"):
+        payload_from_call((5,), {})
+
+
+def test_cursor_round_trip() -> None:
+    assert parse_cursor(None) == (-1, 0)
+    assert parse_cursor("12:34") == (12, 34)
