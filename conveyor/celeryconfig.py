@@ -29,6 +29,9 @@ def celery_config(
     transport: dict[str, Any] = {
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": max(1.0, min(60.0, settings.visibility_timeout / 4)),
+        # A worker SIGKILLed while holding kombu's restore mutex blocks every restore until
+        # the mutex expires (300 s by default); keep that window short.
+        "unacked_mutex_expire": max(10.0, min(300.0, settings.visibility_timeout / 4)),
     }
     return {
         "broker_url": broker,

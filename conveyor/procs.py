@@ -20,6 +20,7 @@ def service_env(settings: ConveyorSettings, extra: Mapping[str, str] | None = No
     env["CONVEYOR_REDIS_URL"] = settings.redis_url
     env["CONVEYOR_DATABASE_URL"] = settings.database_url
     env["CONVEYOR_HOME"] = str(settings.resolved_home())
+    env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they happen (kills lose nothing)
     env.update(extra or {})
     return env
 

@@ -64,6 +64,7 @@ class Heartbeat:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
+        self.pending_release: dict[str, tuple[int, str]] = {}
 
     def track(self, ctx: JobContext | None) -> None:
         """Start (or stop, with None) renewing ``ctx``'s lease."""
@@ -73,10 +74,29 @@ class Heartbeat:
             self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
             self._thread.start()
 
+    def release_later(self, job_id: str, attempt: int, owner: str) -> None:
+        """Requeue ``job_id`` without counting the attempt as soon as the database answers."""
+        self.pending_release[job_id] = (attempt, owner)
+        if self._thread is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
+            self._thread.start()
+
+    def _flush_releases(self) -> None:
+        for job_id, (attempt, owner) in list(self.pending_release.items()):
+            with self.platform.engine.begin() as conn:
+                self.platform.store.release_uncounted(conn, job_id, attempt, owner, "infrastructure")
+            self.pending_release.pop(job_id, None)
+
     def _loop(self) -> None:
         interval = self.platform.settings.heartbeat_interval
         while True:
             self._wake.wait(interval)
+            if self.pending_release:
+                try:
+                    self._flush_releases()
+                except Exception:  # still down; try again next beat
+                    log.info("database still unreachable; %d release(s) pending", len(self.pending_release))
             ctx = self._current
             if ctx is None:
                 continue
@@ -158,9 +178,11 @@ class Runner:
         except BaseException as exc:
             ctx.close()
             if isinstance(exc, INFRA_ERRORS) and not isinstance(exc, PermanentError):
-                # The body's transaction is gone with the database; the lease expires and
-                # the job is taken over. Nothing is acked as done.
-                log.warning("infrastructure error in %s; requeueing", spec.name)
+                # The attempt's transaction died with the database: nothing was recorded.
+                # Requeue the job without counting the attempt (now, or once the database
+                # answers again) and give the message back to the broker.
+                log.warning("infrastructure error in %s (%s); requeueing", spec.name, type(exc).__name__)
+                self._release_uncounted(job["id"], attempt)
                 time.sleep(self.platform.settings.infra_backoff)
                 raise Reject(exc, requeue=True) from None
             self._fail(spec, job, attempt, exc)
@@ -309,7 +331,8 @@ class Runner:
                     )
                     status = s.RETRYING
         except INFRA_ERRORS:
-            log.warning("could not record failure of %s; its lease will expire", job["id"])
+            log.warning("could not record failure of %s; requeueing it uncounted", job["id"])
+            self._release_uncounted(job["id"], attempt)
             raise Reject(exc, requeue=True) from None
         if status == s.DEAD:
             self.platform.metrics.inc("dead", spec.name)
@@ -318,6 +341,14 @@ class Runner:
             self.platform.metrics.inc("retried", spec.name)
             # The relay republishes when due; Celery must not retry or store a failure.
             raise Ignore()
+
+    def _release_uncounted(self, job_id: str, attempt: int) -> None:
+        owner = lease_owner()
+        try:
+            with self.platform.engine.begin() as conn:
+                self.platform.store.release_uncounted(conn, job_id, attempt, owner, "infrastructure")
+        except INFRA_ERRORS:
+            self.heartbeat.release_later(job_id, attempt, owner)
 
     def record_hard_timeout(self, spec: StageSpec, task_id: str, exc: BaseException) -> None:
         """Called in the worker's main process after it killed the child at the hard limit."""

@@ -170,6 +170,8 @@ class JobStore:
         if status in s.TERMINAL:
             return Claim(ClaimOutcome.TERMINAL, current)
         if status == s.RUNNING:
+            if current["lease_owner"] == owner:
+                return self._retake_own(conn, current, owner=owner, task_id=task_id)
             if _owner_dead(current["lease_owner"], owner) or self._is_stale(conn, job_id):
                 return self._takeover_dead(conn, current, owner=owner, task_id=task_id)
             return Claim(ClaimOutcome.LIVE_LEASE, current)
@@ -182,8 +184,48 @@ class JobStore:
             return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
         return Claim(ClaimOutcome.NOT_DUE, current)
 
+    def _retake_own(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
+        """This very process held the lease and is idle: its attempt was cut short by an
+        infrastructure error (the message came back). The fencing token still grows, but
+        the budget grows with it: an outage never consumes an attempt."""
+        cond = and_(
+            jobs.c.status == s.RUNNING,
+            jobs.c.attempts == current["attempts"],
+            jobs.c.lease_owner == owner,
+        )
+        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id, extra_budget=1)
+        if row is None:
+            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
+        body = {"reason": "infrastructure", "attempt": row["attempts"]}
+        self.emit(conn, [new_event(row["id"], "job.requeued", body)])
+        return Claim(ClaimOutcome.RUN, row)
+
+    def release_uncounted(self, conn: Connection, job_id: str, attempt: int, owner: str, reason: str) -> bool:
+        """CAS ``running → queued`` for an attempt stopped by an outage or a shutdown; the
+        budget grows by one so the attempt is not counted, and the relay republishes."""
+        res = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.status == s.RUNNING,
+                jobs.c.attempts == attempt,
+                jobs.c.lease_owner == owner,
+            )
+            .values(
+                status=s.QUEUED,
+                max_attempts=jobs.c.max_attempts + 1,
+                published_at=None,
+                lease_owner=None,
+                run_at=db_now(),
+                updated_at=db_now(),
+            )
+        )
+        if res.rowcount == 1:
+            self.emit(conn, [new_event(job_id, "job.requeued", {"reason": reason, "attempt": attempt})])
+        return res.rowcount == 1
+
     def _take(
-        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str
+        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str, extra_budget: int = 0
     ) -> RowMapping | None:
         stmt = (
             update(jobs)
@@ -196,6 +238,7 @@ class JobStore:
                 started_at=db_now(),
                 updated_at=db_now(),
                 celery_task_id=task_id,
+                **({"max_attempts": jobs.c.max_attempts + extra_budget} if extra_budget else {}),
             )
             .returning(*jobs.c)
         )
@@ -447,11 +490,7 @@ def _owner_dead(lease_owner: str | None, me: str) -> bool:
     pid_text = rest.partition(":")[0]
     if not pid_text.isdigit():
         return False
-    pid = int(pid_text)
-    if lease_owner == me:
-        # Our own process holds it but is free to run this message: that attempt is over.
-        return True
-    return not pid_alive(pid)
+    return not pid_alive(int(pid_text))
 
 
 def _message(error: BaseException) -> str:

@@ -96,9 +96,12 @@ def platform(services: None) -> Any:
     return p
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def worker(platform: Any) -> Iterator[Any]:
-    """One in-process worker (solo pool, in a thread) for the whole session, with the relay."""
+    """An in-process worker (solo pool, in a thread) with the relay, per test module.
+
+    Module-scoped so that the fault tests' subprocess workers never share a queue with it.
+    """
     from celery.contrib.testing.worker import start_worker
 
     with start_worker(

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from typing import Any
 
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.signals import task_success
 from pydantic import BaseModel, ConfigDict
 
 from config.celery_app import platform
@@ -13,6 +18,7 @@ from conveyor.retry import Schedule
 from tasks.demo.logic import record_effect, square
 
 FAST_RETRY = Schedule((0.2, 0.5, 1.0))
+_kill_after_commit_of: set[str] = set()
 
 
 class Number(BaseModel):
@@ -30,14 +36,16 @@ class Flaky(BaseModel):
 
 
 class Effect(BaseModel):
-    """Writes one effect row; optionally waits on a Redis barrier first."""
+    """Writes one effect row; the other fields are kill points for the fault tests."""
 
     model_config = ConfigDict(extra="ignore")
     note: str | None = None
     barrier: str | None = None
     barrier_timeout: float = 60.0
     sleep: float = 0.0
-    crash: bool = False
+    crash_until_attempt: int = 0
+    kill_worker_after_commit: bool = False
+    ignore_soft_limit: bool = False
 
 
 @platform.stage("conveyor.demo.noop", payload=Number, queue="demo")
@@ -67,22 +75,35 @@ def broken(ctx: JobContext, p: Number) -> None:
 
 
 @platform.stage("conveyor.demo.effect", payload=Effect, queue="demo", retry=FAST_RETRY, max_attempts=4)
-def effect(ctx: JobContext, p: Effect) -> dict[str, str]:
+def effect(ctx: JobContext, p: Effect) -> dict[str, Any]:
     """Write an effect row through the job's transaction (exactly-once with completion).
 
-    With ``barrier`` set it first announces ``<barrier>:started`` and blocks until
-    something is pushed to ``<barrier>:go``: tests kill workers at that point.
+    With ``barrier`` set it first pushes ``job:attempt:pid`` to ``<barrier>:started`` and
+    blocks until something is pushed to ``<barrier>:go``: tests kill processes there.
     """
     if p.barrier:
         r = platform.redis
-        r.rpush(f"{p.barrier}:started", f"{ctx.job_id}:{ctx.attempt}")
+        r.rpush(f"{p.barrier}:started", f"{ctx.job_id}:{ctx.attempt}:{os.getpid()}")
         r.blpop([f"{p.barrier}:go"], timeout=p.barrier_timeout)
-    if p.sleep:
-        time.sleep(p.sleep)
-    if p.crash:
-        import os
-        import signal
-
+    if ctx.attempt <= p.crash_until_attempt:
         os.kill(os.getpid(), signal.SIGKILL)
+    deadline = time.monotonic() + p.sleep
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+        except SoftTimeLimitExceeded:
+            if not p.ignore_soft_limit:
+                raise
     record_effect(ctx.connection, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=p.note)
+    if p.kill_worker_after_commit:
+        _kill_after_commit_of.add(ctx.job_id)
     return {"job_id": ctx.job_id}
+
+
+@task_success.connect(weak=False)
+def _kill_after_commit(sender: Any = None, result: Any = None, **_: Any) -> None:
+    """Kill point for the fault tests: the completion has committed, the ack has not."""
+    if getattr(sender, "name", None) != effect.name or not isinstance(result, dict):
+        return
+    if result.get("job_id") in _kill_after_commit_of:  # only after the body ran, not on a replay
+        os.killpg(os.getpgid(0), signal.SIGKILL)

@@ -1,0 +1,424 @@
+"""Throughput of Conveyor's tracked lifecycle against raw Celery, in one run.
+
+Both sides use the same Redis, the same ``config/`` settings (one Celery config dict from
+:func:`conveyor.celeryconfig.celery_config`), the same queue ``demo``, a real
+``celery worker -P prefork`` subprocess with the same concurrency and flags, and the same
+amount of warm-up. Only one worker runs at a time; runs are interleaved (tracked, raw,
+tracked, raw, ...) and the median per side is reported.
+
+* tracked: ``platform.submit("conveyor.demo.noop", {"n": i})`` for ``i in range(N)``, timed
+  from the first submit until a ``COUNT`` of the DB says every job is terminal (polled every
+  50 ms); every job must end ``succeeded``.
+* raw: a plain Celery task (no Conveyor base class) on a separate app object,
+  ``noop.apply_async(kwargs={"n": i}, queue="demo")``, timed from the first publish until
+  every result is in the Redis result backend.
+
+Usage::
+
+    .venv/bin/python -m bench.throughput                 # N=5000, 3 runs per side
+    .venv/bin/python -m bench.throughput --smoke         # CI: N=50, 1 run
+    .venv/bin/python -m bench.throughput --n 2000 --concurrency 2 --runs 5
+
+Progress goes to stderr; the last lines on stdout are ``name=value`` pairs:
+``tracked_jobs_per_s``, ``raw_celery_tasks_per_s``, ``ratio``, ``n``, ``runs``.
+
+Importing this module is cheap and reads no settings, except in a worker process started
+by the bench (``celery -A bench.throughput:raw_app``), where ``CONVEYOR_REDIS_URL`` is set
+and :data:`raw_app` configures itself from the environment exactly like ``config.celery_app``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from celery import Celery
+from celery.result import AsyncResult, ResultSet
+
+from config.queues import DEFAULT_QUEUE, QUEUES
+from conveyor.celeryconfig import celery_config
+
+if TYPE_CHECKING:
+    from redis import Redis
+
+    from conveyor.platform import Platform
+    from conveyor.settings import ConveyorSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+QUEUE = "demo"
+TRACKED_STAGE = "conveyor.demo.noop"
+RAW_TASK = "bench.raw.noop"
+RAW_APP = "bench.throughput:raw_app"
+DEFAULT_REDIS = "redis://127.0.0.1:6379"
+DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
+REDIS_DB = 12
+DATABASE = "conveyor_bench"
+POLL_INTERVAL = 0.05
+SMOKE_N = 50
+READY_TIMEOUT = 60.0
+IDLE_PAUSE = 0.5
+NON_TERMINAL = ("queued", "running", "retrying")
+# kombu's Redis transport keeps delivered-but-unacked messages here (acks_late).
+UNACKED_KEYS = ("unacked", "unacked_index")
+
+
+class BenchError(RuntimeError):
+    """The benchmark could not produce a valid measurement."""
+
+
+# -- the raw side: a plain Celery app and task, nothing from Conveyor's runtime ----------
+
+raw_app = Celery("conveyor_bench_raw")
+
+
+def configure_raw_app(settings: ConveyorSettings) -> None:
+    """Give :data:`raw_app` exactly the Celery config the deployment's app gets."""
+    raw_app.conf.update(celery_config(settings, queues=QUEUES, default_queue=DEFAULT_QUEUE))
+
+
+@raw_app.task(name=RAW_TASK)  # type: ignore[untyped-decorator]
+def noop(n: int) -> dict[str, int]:
+    """The raw counterpart of ``conveyor.demo.noop``."""
+    return {"n": n}
+
+
+if os.environ.get("CONVEYOR_REDIS_URL"):
+    # A worker process: same environment as the tracked worker (conveyor.procs.service_env).
+    # A fresh Settings(), not the cached get_settings(): in the bench process this runs at
+    # import, before main() sets the environment (main() configures the app again).
+    from config.settings import Settings
+
+    configure_raw_app(Settings())
+
+
+# -- measurements ------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One timed run of one side."""
+
+    side: str
+    n: int
+    seconds: float
+    submit_seconds: float
+
+    @property
+    def per_second(self) -> float:
+        """Throughput of the run, submission included."""
+        return self.n / self.seconds
+
+
+@dataclass
+class Bench:
+    """Everything one benchmark invocation needs: services, platform, options."""
+
+    platform: Platform
+    redis: Redis
+    n: int
+    concurrency: int
+    home: Path
+    worker: subprocess.Popen[bytes] | None = None
+    results: list[RunResult] = field(default_factory=list)
+
+    # -- workers ---------------------------------------------------------------------
+
+    def start_worker(self, side: str, run: int) -> str:
+        """Start the worker of ``side`` (only one at a time) and wait until it answers."""
+        from conveyor.procs import start_worker
+
+        if self.worker is not None:
+            raise BenchError("a worker is already running")
+        settings = self.platform.settings
+        app = self.platform.app
+        if side == "raw":
+            settings = settings.model_copy(update={"app": RAW_APP})
+            app = raw_app
+        hostname = f"bench-{side}-{run}-{os.getpid()}@{socket.gethostname()}"
+        logs = self.home / "logs"
+        logs.mkdir(exist_ok=True)
+        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.worker = start_worker(
+            settings,
+            queues=[QUEUE],
+            concurrency=self.concurrency,
+            hostname=hostname,
+            log_path=logs / f"{side}-{run}.log",
+            extra_env={"PYTHONPATH": pythonpath},
+        )
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.worker.poll() is not None:
+                raise BenchError(f"{side} worker exited with {self.worker.returncode}; see {logs}")
+            if app.control.ping(destination=[hostname], timeout=0.5):
+                return hostname
+        raise BenchError(f"{side} worker did not answer a ping within {READY_TIMEOUT}s; see {logs}")
+
+    def stop_worker(self) -> None:
+        """Warm-stop the running worker, after its last ack reached Redis."""
+        from conveyor.procs import stop
+
+        if self.worker is None:
+            return
+        try:
+            self.wait_drained()
+        finally:
+            code = stop(self.worker)
+            self.worker = None
+        if code != 0:
+            log(f"  worker exited with {code}")
+
+    # -- queue hygiene ---------------------------------------------------------------
+
+    def backlog(self) -> int:
+        """Messages waiting in the queue plus delivered-but-unacked ones."""
+        pipe = self.redis.pipeline()
+        pipe.llen(QUEUE)
+        pipe.hlen(UNACKED_KEYS[0])
+        pipe.zcard(UNACKED_KEYS[1])
+        return int(sum(pipe.execute()))
+
+    def wait_drained(self, timeout: float = 30.0) -> None:
+        """Wait until the queue and the unacked set are empty."""
+        deadline = time.monotonic() + timeout
+        while self.backlog():
+            if time.monotonic() > deadline:
+                raise BenchError(f"queue {QUEUE!r} not drained: {self.backlog()} messages left")
+            time.sleep(POLL_INTERVAL)
+
+    # -- tracked side ----------------------------------------------------------------
+
+    def non_terminal(self) -> int:
+        """Jobs not yet terminal (a COUNT by status; the status index answers it)."""
+        from sqlalchemy import func, select
+
+        from conveyor.db.schema import jobs
+
+        q = select(func.count()).select_from(jobs).where(jobs.c.status.in_(NON_TERMINAL))
+        with self.platform.engine.connect() as conn:
+            return int(conn.execute(q).scalar_one())
+
+    def wait_terminal(self, timeout: float) -> None:
+        """Poll every 50 ms until every job in the database is terminal."""
+        deadline = time.monotonic() + timeout
+        while self.non_terminal():
+            if time.monotonic() > deadline:
+                raise BenchError(f"{self.non_terminal()} tracked jobs not terminal after {timeout:.0f}s")
+            if self.worker is not None and self.worker.poll() is not None:
+                raise BenchError(f"tracked worker died with {self.worker.returncode}")
+            time.sleep(POLL_INTERVAL)
+
+    def check_all_succeeded(self, expected: int) -> None:
+        """Every job ever submitted by this bench ended ``succeeded``; nothing in the DLQ."""
+        from sqlalchemy import func, select
+
+        from conveyor.db.schema import dead_letters
+
+        with self.platform.engine.connect() as conn:
+            counts = self.platform.store.count_by_status(conn)
+            dead = int(conn.execute(select(func.count()).select_from(dead_letters)).scalar_one())
+        if counts != {"succeeded": expected} or dead:
+            raise BenchError(f"expected {expected} succeeded jobs, found {counts} and {dead} dead letters")
+
+    def submit_tracked(self, count: int) -> None:
+        """Submit ``count`` no-op jobs through the platform."""
+        submit = self.platform.submit
+        for i in range(count):
+            submit(TRACKED_STAGE, {"n": i})
+
+    def run_tracked(self, run: int) -> RunResult:
+        """One timed tracked run with a fresh worker."""
+        self.start_worker("tracked", run)
+        try:
+            warm = 2 * self.concurrency
+            self.submit_tracked(warm)
+            self.wait_terminal(timeout=60)
+            self.wait_drained()
+            time.sleep(IDLE_PAUSE)
+            expected = self.platform_total() + self.n
+            start = time.perf_counter()
+            self.submit_tracked(self.n)
+            submitted = time.perf_counter()
+            self.wait_terminal(timeout=max(120.0, self.n * 0.2))
+            end = time.perf_counter()
+            self.check_all_succeeded(expected)
+        finally:
+            self.stop_worker()
+        return RunResult("tracked", self.n, end - start, submitted - start)
+
+    def platform_total(self) -> int:
+        """How many jobs the database holds."""
+        from sqlalchemy import func, select
+
+        from conveyor.db.schema import jobs
+
+        with self.platform.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(jobs)).scalar_one())
+
+    # -- raw side --------------------------------------------------------------------
+
+    def submit_raw(self, count: int) -> list[AsyncResult]:
+        """Publish ``count`` raw no-op tasks."""
+        send = noop.apply_async
+        return [send(kwargs={"n": i}, queue=QUEUE) for i in range(count)]
+
+    def collect_raw(self, results: Sequence[AsyncResult], timeout: float) -> None:
+        """Wait for every result (MGET polling every 50 ms) and check each value."""
+        values = ResultSet(list(results), app=raw_app).join_native(
+            timeout=timeout, interval=POLL_INTERVAL, propagate=True
+        )
+        bad = [i for i, v in enumerate(values) if v != {"n": i}]
+        if bad:
+            raise BenchError(f"{len(bad)} raw results were wrong (first: #{bad[0]} = {values[bad[0]]!r})")
+
+    def run_raw(self, run: int) -> RunResult:
+        """One timed raw-Celery run with a fresh worker."""
+        self.start_worker("raw", run)
+        try:
+            self.collect_raw(self.submit_raw(2 * self.concurrency), timeout=60)
+            self.wait_drained()
+            time.sleep(IDLE_PAUSE)
+            start = time.perf_counter()
+            results = self.submit_raw(self.n)
+            submitted = time.perf_counter()
+            self.collect_raw(results, timeout=max(120.0, self.n * 0.2))
+            end = time.perf_counter()
+        finally:
+            self.stop_worker()
+        return RunResult("raw", self.n, end - start, submitted - start)
+
+    # -- the whole thing -------------------------------------------------------------
+
+    def run(self, runs: int) -> tuple[float, float]:
+        """Interleave ``runs`` runs per side; return the median rates (tracked, raw)."""
+        sides: list[tuple[str, Callable[[int], RunResult]]] = [
+            ("tracked", self.run_tracked),
+            ("raw", self.run_raw),
+        ]
+        for run in range(runs):
+            for side, fn in sides:
+                if self.backlog():
+                    raise BenchError(f"queue {QUEUE!r} not empty before the {side} run")
+                result = fn(run)
+                self.results.append(result)
+                log(
+                    f"run {run + 1}/{runs} {side:7s}: {result.per_second:8.1f}/s "
+                    f"({result.seconds:.2f}s total, {result.submit_seconds:.2f}s submitting)"
+                )
+        tracked = statistics.median(r.per_second for r in self.results if r.side == "tracked")
+        raw = statistics.median(r.per_second for r in self.results if r.side == "raw")
+        return tracked, raw
+
+
+def log(message: str) -> None:
+    """Human progress, on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--n", type=int, default=5000, help="jobs/tasks per run (default 5000)")
+    parser.add_argument("--concurrency", type=int, default=None, help="pool size (default: the setting)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per side, interleaved (default 3)")
+    parser.add_argument("--smoke", action="store_true", help=f"CI: n={SMOKE_N}, 1 run")
+    parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis base URL, without a DB index")
+    parser.add_argument("--pg", default=DEFAULT_PG, help="Postgres base URL, without a database")
+    parser.add_argument("--redis-db", type=int, default=REDIS_DB, help="Redis DB index (flushed)")
+    parser.add_argument("--database", default=DATABASE, help="Postgres database (dropped and created)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.n, args.runs = SMOKE_N, 1
+    if args.n < 1 or args.runs < 1 or (args.concurrency is not None and args.concurrency < 1):
+        parser.error("--n, --runs and --concurrency must be positive")
+    return args
+
+
+def recreate_database(pg: str, name: str, *, create: bool = True) -> None:
+    """Drop (and by default create again) the bench database."""
+    import psycopg
+
+    with psycopg.connect(f"{pg.rstrip('/')}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if create:
+            conn.execute(f'CREATE DATABASE "{name}"')
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
+    args = parse_args(argv)
+    redis_url = f"{args.redis.rstrip('/')}/{args.redis_db}"
+    database_url = f"{args.pg.rstrip('/')}/{args.database}"
+    home = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
+    # Settings are read when config.celery_app is imported: the environment comes first.
+    os.environ["CONVEYOR_REDIS_URL"] = redis_url
+    os.environ["CONVEYOR_DATABASE_URL"] = database_url
+    os.environ["CONVEYOR_HOME"] = str(home)
+
+    from redis import Redis
+
+    redis = Redis.from_url(redis_url)
+    redis.flushdb()
+    recreate_database(args.pg, args.database)
+    bench: Bench | None = None
+    try:
+        from config.celery_app import platform
+        from config.migrations import upgrade
+
+        platform.app.loader.import_default_modules()
+        upgrade(platform.engine)
+        configure_raw_app(platform.settings)
+        bench = Bench(
+            platform=platform,
+            redis=redis,
+            n=args.n,
+            concurrency=args.concurrency or platform.settings.worker_concurrency,
+            home=home,
+        )
+        log(
+            f"throughput: n={args.n} runs={args.runs} concurrency={bench.concurrency} "
+            f"redis={redis_url} db={database_url} home={home}"
+        )
+        tracked, raw = bench.run(args.runs)
+    except BenchError as exc:
+        log(f"benchmark failed: {exc} (logs kept in {home / 'logs'})")
+        return 1
+    finally:
+        if bench is not None:
+            try:
+                bench.stop_worker()
+            except BenchError as exc:
+                log(f"cleanup: {exc}")
+            bench.platform.reset()
+        raw_app.close()
+        recreate_database(args.pg, args.database, create=False)
+        redis.flushdb()
+        redis.close()
+    shutil.rmtree(home, ignore_errors=True)
+    print(f"tracked_jobs_per_s={tracked:.1f}")
+    print(f"raw_celery_tasks_per_s={raw:.1f}")
+    print(f"ratio={tracked / raw:.3f}")
+    print(f"n={args.n}")
+    print(f"runs={args.runs}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run as ``python -m bench.throughput`` or as a file: either way the worker must import
+    # the very module that registered the raw task, so hand over to ``bench.throughput``.
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.throughput import main as bench_main
+
+    raise SystemExit(bench_main())
