@@ -159,8 +159,7 @@ def worker(
         if metrics_port:
             from conveyor.metrics import serve
 
-            platform.metrics.enable()
-            serve(metrics_port, os.environ["PROMETHEUS_MULTIPROC_DIR"])
+            serve(metrics_port, str(platform.metrics.enable()))
         argv = ["worker", "-l", "INFO", *ctx.args]
         platform.app.worker_main(argv)
         return 0
@@ -177,13 +176,23 @@ def beat(ctx: typer.Context) -> None:
 def _flower_process(
     settings: ConveyorSettings, *, port: int, password: str | None = None
 ) -> subprocess.Popen[bytes]:
+    """Flower, read-only, behind basic auth, never persistent (its state file pickles).
+
+    The credentials travel in the environment, not on the command line (``ps`` shows
+    arguments to every local user); ``FLOWER_*`` variables and ``flowerconfig.py`` files
+    are ignored so nothing can switch persistence or control back on.
+    """
     from conveyor.procs import service_env
 
-    password = password or settings.flower_password or secrets.token_urlsafe(12)
-    console.print(
-        f"Flower on http://127.0.0.1:{port} "
-        f"user [bold]{settings.flower_user}[/bold] password [bold]{password}[/bold]"
-    )
+    chosen = password or settings.flower_password
+    password = chosen or secrets.token_urlsafe(12)
+    shown = f" password [bold]{password}[/bold]" if not chosen else ""
+    console.print(f"Flower on http://127.0.0.1:{port} user [bold]{settings.flower_user}[/bold]{shown}")
+    env = {k: v for k, v in service_env(settings).items() if not k.startswith("FLOWER_")}
+    env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
+    home = settings.resolved_home()
+    conf = home / "flowerconfig.py"
+    conf.write_text("# Written by conveyor: Flower's options come from `conveyor flower` only.\n")
     return subprocess.Popen(
         [
             sys.executable,
@@ -194,10 +203,12 @@ def _flower_process(
             "flower",
             f"--port={port}",
             "--address=127.0.0.1",
-            f"--basic-auth={settings.flower_user}:{password}",
             "--read_only=True",
+            "--persistent=False",
+            f"--conf={conf}",
         ],
-        env=service_env(settings),
+        env=env,
+        cwd=home,
         start_new_session=True,
     )
 
@@ -216,6 +227,7 @@ def flower(
         proc = _flower_process(
             platform.settings, port=port or platform.settings.flower_port, password=password
         )
+        signal.signal(signal.SIGTERM, lambda *_: stop(proc))
         try:
             return proc.wait()
         except KeyboardInterrupt:

@@ -51,6 +51,11 @@ class JobHandle:
         """The job's current status."""
         return str(self.row()["status"])
 
+    def _status_or_none(self) -> str | None:
+        with self.platform.engine.connect() as conn:
+            row = self.platform.store.get(conn, self.id)
+        return None if row is None else str(row["status"])
+
     @property
     def result(self) -> Any:
         """The stored result of a succeeded job (None otherwise)."""
@@ -58,6 +63,9 @@ class JobHandle:
 
     def wait(self, timeout: float = 30.0) -> str:
         """Block until the job is terminal; returns the status. Raises ``TimeoutError``.
+
+        A job that does not exist yet (a chain link whose predecessor is still running) is
+        waited for like any other.
 
         Subscribes to the job's wake channel *before* reading the status, so a completion
         between the two cannot be missed; no sleep-polling.
@@ -67,7 +75,8 @@ class JobHandle:
         try:
             pubsub.subscribe(self.platform.broker.wake_channel(self.id))
             while True:
-                status = self.status()
+                # A chain link's row appears when the link before it completes.
+                status = self._status_or_none()
                 if status in s.TERMINAL:
                     return status
                 left = deadline - time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from conveyor.settings import ConveyorSettings
@@ -18,8 +19,8 @@ class Metrics:
         self._counters: dict[str, Any] = {}
         self._runtime: Any = None
 
-    def enable(self) -> None:
-        """Create the metrics. Must run before any pool child forks."""
+    def enable(self) -> Path:
+        """Create the metrics (before any pool child forks); returns their directory."""
         directory = self.settings.metrics_dir or (self.settings.resolved_home() / "metrics")
         directory.mkdir(parents=True, exist_ok=True)
         # prometheus_client picks multiprocess mode from this variable when metrics are made.
@@ -29,6 +30,7 @@ class Metrics:
         for name in COUNTERS:
             self._counters[name] = Counter(f"conveyor_jobs_{name}_total", f"jobs {name}", ["stage"])
         self._runtime = Histogram("conveyor_job_runtime_seconds", "stage body runtime", ["stage"])
+        return directory
 
     def inc(self, name: str, stage: str, amount: int = 1) -> None:
         """Count ``amount`` jobs of ``stage`` as ``name``."""

