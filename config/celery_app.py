@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from celery import Celery
 
+from config.beat import BEAT_SCHEDULE
 from config.queues import DEFAULT_QUEUE, QUEUES
 from config.settings import get_settings
 from conveyor.celeryconfig import celery_config
@@ -20,5 +21,6 @@ if _found is not None:
 
 app = Celery("conveyor", include=TASK_MODULES)
 app.config_from_object(celery_config(settings, queues=QUEUES, default_queue=DEFAULT_QUEUE))
+app.conf.beat_schedule = BEAT_SCHEDULE
 platform = Platform(app, settings, queues=QUEUES, default_queue=DEFAULT_QUEUE)
 install(platform)

@@ -1,0 +1,15 @@
+"""Periodic jobs. Beat publishes through the stages' ``apply_async``, so every firing is a
+tracked job; Conveyor's relay and reconciler run inside the workers, not here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
+    "self-check-heartbeat": {
+        "task": "conveyor.demo.noop",
+        "schedule": 300.0,
+        "kwargs": {"n": 0},
+        "options": {"expires": 240},
+    },
+}
