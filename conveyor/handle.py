@@ -35,6 +35,8 @@ class JobHandle:
         self.id = job_id
         self.deduplicated = deduplicated
         self.task_id = task_id
+        self.dedup_seq: int | None = None  # debounce: this submit's sequence number
+        self.dedup_at: float | None = None  # the dedup clock reading this submit used
 
     def __repr__(self) -> str:
         return f"<JobHandle {self.id}{' (deduplicated)' if self.deduplicated else ''}>"

@@ -9,7 +9,7 @@ import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from celery import Celery, Signature
 from kombu.entity import Queue
@@ -22,9 +22,9 @@ from sqlalchemy.orm import Session
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
 from conveyor.db.engine import make_engine
 from conveyor.db.schema import jobs
+from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterQueue
 from conveyor.errors import ConfigurationError, NotRunning
 from conveyor.handle import JobHandle
@@ -61,6 +61,7 @@ class Platform:
         self.store = JobStore(lease_timeout=settings.lease_timeout)
         self.runner = Runner(self)
         self.metrics = Metrics(settings)
+        self.deduper = Deduplicator(settings, lambda: self.redis)
         self._engine: Engine | None = None
         self._redis: Redis | None = None
         self._broker: Broker | None = None
@@ -138,6 +139,7 @@ class Platform:
         priority: int = 0,
         label: Callable[[Any], str] | None = None,
         retry_on_timeout: bool = False,
+        dedup: Dedup | None = None,
     ) -> Callable[[Callable[..., Any]], StageTask]:
         """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``.
 
@@ -176,6 +178,7 @@ class Platform:
                 priority=priority,
                 label=label,
                 retry_on_timeout=retry_on_timeout,
+                dedup=dedup,
             )
             self.stages[name] = spec
             task = self.app.task(
@@ -220,12 +223,16 @@ class Platform:
         priority: int | None = None,
         label: str | None = None,
         max_attempts: int | None = None,
+        dedup: Dedup | Literal[False] | None = None,
+        reuse: Reuse = "never",
     ) -> JobHandle:
         """Record a job and publish it after commit. Returns a :class:`JobHandle`.
 
         With ``session`` the job joins the caller's transaction: it is published only
         if and when that transaction commits. An ``idempotency_key`` seen before returns
-        the existing job (any state) with ``deduplicated=True``.
+        the existing job (any state) with ``deduplicated=True``. ``dedup`` overrides the
+        stage's declared policy (``False`` turns it off); ``reuse`` applies to
+        deterministic ids. A duplicate never raises: it returns the holder's handle.
         """
         spec = self.spec(stage)
         data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
@@ -244,7 +251,7 @@ class Platform:
             expires_in=expires_in,
         )
         new.origin_task_id = new.id
-        return self._enqueue(new, session=session)
+        return self._enqueue(new, session=session, plan=self.dedup_plan(spec, model, dedup, reuse))
 
     def submit_call(
         self,
@@ -290,7 +297,26 @@ class Platform:
         )
         if isinstance(new.queue, Queue):
             new.queue = new.queue.name
-        return self._enqueue(new, session=None)
+        return self._enqueue(new, session=None, plan=self.dedup_plan(spec, model, None, "never"))
+
+    def dedup_plan(
+        self, spec: StageSpec, model: BaseModel, override: Dedup | Literal[False] | None, reuse: Reuse
+    ) -> DedupPlan | None:
+        """The dedup policy of one submit: the override, else the stage's declaration."""
+        policy = spec.dedup if override is None else (override or None)
+        if policy is None:
+            return None
+        scope, key = policy.resolve(spec.name, model)
+        return DedupPlan(policy, scope, key, reuse, self.settings.retention_days * 86400)
+
+    def finished(self, job_id: str, status: str, *, dedup_key: str | None = None) -> None:
+        """After a job's terminal transition committed: wake waiters, free its cached dedup key."""
+        try:
+            self.broker.notify(job_id, status)
+            if dedup_key:
+                self.deduper.release(job_id)
+        except Exception:  # both are fast paths; Postgres already has the truth
+            log.warning("post-terminal notification for %s failed", job_id, exc_info=True)
 
     def continuation(self, sig: Signature, result: Any, parent: Row, extra: Mapping[str, Any]) -> NewJob:
         """The job a chain link or link callback becomes; its id is fixed by the canvas."""
@@ -321,43 +347,126 @@ class Platform:
 
     def insert_job(self, conn: Connection, new: NewJob, *, epoch: str | None) -> bool:
         """Insert ``new`` (marked as published under ``epoch`` if due now) plus its event."""
+        if new.delay <= 0 and epoch is not None:
+            new.published_epoch = epoch
         created = self.store.insert(conn, new)[1]
         if created:
-            if new.delay <= 0 and epoch is not None:
-                conn.execute(
-                    update(jobs)
-                    .where(jobs.c.id == new.id)
-                    .values(celery_task_id=new.origin_task_id, published_at=db_now(), broker_epoch=epoch)
-                )
             self.store.emit(conn, [new_event(new.id, "job.submitted", {"stage": new.stage})])
             self.metrics.inc("submitted", new.stage)
         return created
 
-    def _enqueue(self, new: NewJob, *, session: Session | None) -> JobHandle:
+    def _enqueue(self, new: NewJob, *, session: Session | None, plan: DedupPlan | None = None) -> JobHandle:
+        """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
+        now = 0.0
+        if plan is not None:
+            now = self.deduper.clock()
+            if plan.fast_path:
+                hit = self.deduper.cached(plan.scope, plan.key, new.stage, now)
+                if hit is not None:
+                    self.metrics.inc("deduplicated", new.stage)
+                    handle = JobHandle(self, hit, deduplicated=True)
+                    handle.dedup_at = now
+                    return handle
+            new.dedup_key = plan.dedup_id
+            if plan.dedup.mode == "debounce":
+                new.delay = max(new.delay, float(plan.dedup.window or 0))
         epoch = self.broker.epoch() if new.delay <= 0 else None
-        if session is not None:
-            conn = session.connection()
-            job_id, created = self.store.insert(conn, new)
-            if created:
-                if epoch is not None:
-                    conn.execute(
-                        update(jobs)
-                        .where(jobs.c.id == new.id)
-                        .values(celery_task_id=new.origin_task_id, published_at=db_now(), broker_epoch=epoch)
+        own = session is None
+        conn = self.engine.connect() if session is None else session.connection()
+        try:
+            if own:
+                conn.begin()
+            job_id, created = self._record(conn, new, plan, now, epoch)
+            if own:
+                conn.commit()
+        except BaseException:
+            if own:
+                conn.rollback()
+            raise
+        finally:
+            if own:
+                conn.close()
+
+        def after_commit() -> None:
+            if created and plan is not None and plan.dedup.mode != "debounce":
+                try:
+                    self.deduper.cache(
+                        plan.scope, plan.key, new.id, plan.dedup.mode, plan.expires_ms(now), now
                     )
-                self.store.emit(conn, [new_event(new.id, "job.submitted", {"stage": new.stage})])
-                self.metrics.inc("submitted", new.stage)
-                if new.delay <= 0:
-                    _after_commit(session, lambda: self.publish_new(new))
-            return JobHandle(self, job_id, deduplicated=not created, task_id=new.origin_task_id)
-        with self.engine.begin() as conn:
-            created = self.insert_job(conn, new, epoch=epoch)
-            found = new.id if created else self.store.find_existing(conn, new.id, new.idempotency_key)
+                except Exception:  # the cache is only a fast path; Postgres stays right
+                    log.warning("could not cache dedup holder %s", new.id, exc_info=True)
+            if created and new.delay <= 0:
+                self.publish_new(new)
+
+        if session is None:
+            after_commit()
+        else:
+            _after_commit(session, after_commit)
+        handle = JobHandle(
+            self, job_id, deduplicated=not created, task_id=new.origin_task_id if created else None
+        )
+        handle.dedup_seq = new.dedup_seq
+        handle.dedup_at = now if plan is not None else None
+        return handle
+
+    def _record(
+        self, conn: Connection, new: NewJob, plan: DedupPlan | None, now: float, epoch: str | None
+    ) -> tuple[str, bool]:
+        if plan is not None:
+            d = plan.dedup
+            if d.mode == "debounce":
+                new.dedup_seq = self.deduper.sequence(conn)
+            acq = self.deduper.acquire(
+                conn,
+                scope=plan.scope,
+                key=plan.key,
+                mode=d.mode,
+                job_id=new.id,
+                now=now,
+                ttl=plan.ttl,
+                reuse=plan.reuse,
+            )
+            if not acq.won:
+                stolen = False
+                if d.mode == "debounce":
+                    assert d.window is not None and new.dedup_seq is not None
+                    if not self.deduper.debounce(
+                        conn,
+                        scope=plan.scope,
+                        key=plan.key,
+                        holder=acq.holder,
+                        payload=new.payload,
+                        seq=new.dedup_seq,
+                        now=now,
+                        window=d.window,
+                        max_wait=d.max_wait,
+                    ):
+                        stolen = self.deduper.steal(
+                            conn,
+                            scope=plan.scope,
+                            key=plan.key,
+                            old=acq.holder,
+                            new=new.id,
+                            mode=d.mode,
+                            now=now,
+                            ttl=plan.ttl,
+                        )
+                if not stolen:
+                    body = {
+                        "stage": new.stage,
+                        "dedup_id": plan.dedup_id,
+                        "existing_job": acq.holder,
+                        "mode": d.mode,
+                    }
+                    self.store.emit(conn, [new_event(acq.holder, "job.deduplicated", body)])
+                    self.metrics.inc("deduplicated", new.stage)
+                    return acq.holder, False
+        created = self.insert_job(conn, new, epoch=epoch)
+        if created:
+            return new.id, True
+        found = self.store.find_existing(conn, new.id, new.idempotency_key)
         assert found is not None
-        job_id = found
-        if created and new.delay <= 0:
-            self.publish_new(new)
-        return JobHandle(self, job_id, deduplicated=not created, task_id=new.origin_task_id)
+        return found, False
 
     def publish_new(self, new: NewJob) -> None:
         """Publish a freshly committed job. On failure the relay will publish it."""

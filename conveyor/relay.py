@@ -11,11 +11,11 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, delete, or_, select, update
+from sqlalchemy import and_, delete, exists, literal_column, or_, select, update
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
-from conveyor.db.schema import dead_letters, job_events, jobs
+from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
 from conveyor.store import new_event
 
 if TYPE_CHECKING:
@@ -96,8 +96,9 @@ class Relay:
                 for row in [*due, *lost]
                 if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
             ]
-            if reconcile:
-                self._reconcile(conn, report)
+            finished = self._reconcile(conn, report) if reconcile else []
+        for job_id, status, dedup_key in finished:
+            p.finished(job_id, status, dedup_key=dedup_key)
         for row, task_id in marked:
             self._publish(row, task_id)
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
@@ -118,8 +119,10 @@ class Relay:
             # Marked as published under this epoch; the republish_after rule retries it.
             log.warning("relay could not publish job %s", row["id"], exc_info=True)
 
-    def _reconcile(self, conn: Any, report: TickReport) -> None:
+    def _reconcile(self, conn: Any, report: TickReport) -> list[tuple[str, str, str | None]]:
+        """Requeue stalled jobs, expire overdue ones, purge; returns the jobs it finished."""
         p = self.platform
+        finished: list[tuple[str, str, str | None]] = []
         store = p.store
         stale = (
             conn.execute(
@@ -148,6 +151,7 @@ class Relay:
                     attempt=attempt,
                 ):
                     report.dead += 1
+                    finished.append((row["id"], s.DEAD, row["dedup_key"]))
                 continue
             res = conn.execute(
                 update(jobs)
@@ -192,7 +196,9 @@ class Relay:
             if store.finish(conn, row, s.EXPIRED, from_status=s.CLAIMABLE, topic="job.expired"):
                 p.metrics.inc("expired", row["stage"])
                 report.expired += 1
+                finished.append((row["id"], s.EXPIRED, row["dedup_key"]))
         report.purged += self._purge(conn)
+        return finished
 
     def _purge(self, conn: Any) -> int:
         settings = self.platform.settings
@@ -201,6 +207,8 @@ class Relay:
             delete(jobs).where(jobs.c.status.in_(list(s.TERMINAL)), jobs.c.finished_at < db_now_plus(keep))
         ).rowcount
         n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
+        holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == literal_column("dedup_keys.job_id")))
+        n += conn.execute(delete(dedup_keys).where(holder_gone)).rowcount
         n += conn.execute(
             delete(dead_letters).where(
                 dead_letters.c.created_at < db_now_plus(-settings.dlq_retention_days * 86400)

@@ -15,12 +15,10 @@ import redis.exceptions
 import sqlalchemy.exc
 from celery import signature
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
-from sqlalchemy import update
 
 from conveyor.broker import JOB_HEADER
 from conveyor.context import JobContext
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
 from conveyor.db.schema import jobs
 from conveyor.errors import (
     GarbageMessage,
@@ -152,7 +150,7 @@ class Runner:
             return self._replay_success(task, job)
         self._record_skip(job_id, claim.outcome, req.id)
         if claim.outcome is ClaimOutcome.TERMINAL and job is not None:
-            self.platform.broker.notify(job_id, job["status"])
+            self.platform.finished(job_id, job["status"], dedup_key=job["dedup_key"])
         raise Ignore()
 
     # -- running ------------------------------------------------------------------------
@@ -255,7 +253,7 @@ class Runner:
         for new in continuation:
             self.platform.publish_new(new)
         try:
-            self.platform.broker.notify(job["id"], s.SUCCEEDED)
+            self.platform.finished(job["id"], s.SUCCEEDED, dedup_key=job["dedup_key"])
             origin = job["origin_task_id"]
             if origin and origin != task.request.id:
                 # Callers holding the first AsyncResult (chains do) still see the outcome.
@@ -336,7 +334,7 @@ class Runner:
             raise Reject(exc, requeue=True) from None
         if status == s.DEAD:
             self.platform.metrics.inc("dead", spec.name)
-            self.platform.broker.notify(job["id"], s.DEAD)
+            self.platform.finished(job["id"], s.DEAD, dedup_key=job["dedup_key"])
         else:
             self.platform.metrics.inc("retried", spec.name)
             # The relay republishes when due; Celery must not retry or store a failure.
@@ -381,7 +379,7 @@ class Runner:
                     tb_text=None,
                     attempt=attempt,
                 )
-            self.platform.broker.notify(row["id"], s.DEAD)
+            self.platform.finished(row["id"], s.DEAD, dedup_key=row["dedup_key"])
         except Exception:
             log.warning(
                 "could not record hard timeout of task %s; the reconciler will", task_id, exc_info=True
@@ -392,7 +390,11 @@ class Runner:
     def _adopt(
         self, conn: Any, spec: StageSpec, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> str:
-        """Create the row for a message published without one (``send_task`` by name)."""
+        """Create the row for a message published without one (``send_task`` by name).
+
+        It goes through the same validation and deduplication as ``submit()``; a duplicate
+        returns the holder's id, whose own message runs it (this copy is skipped).
+        """
         options = {
             "chain": req.chain,
             "chord": req.chord,
@@ -403,45 +405,47 @@ class Runner:
             "parent_id": req.parent_id,
             "root_id": req.root_id,
         }
-        job_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:adopt:{req.id}"))
-        try:
-            payload = spec.validate(payload_from_call(args, kwargs))
-            status, data, err = s.QUEUED, payload.model_dump(mode="json"), None
-            label = spec.label_for(payload)
-        except PayloadInvalid as exc:
-            status, data, err, label = s.DEAD, {}, exc, spec.name
         new = NewJob(
-            id=job_id,
+            id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:adopt:{req.id}")),
             stage=spec.name,
             queue=_queue_of(req, spec),
-            payload=data,
+            payload={},
             max_attempts=spec.max_attempts,
-            label=label,
+            label=spec.name,
             origin_task_id=req.id,
             options={k: v for k, v in options.items() if v is not None},
-            status=s.QUEUED,
         )
-        _, created = self.platform.store.insert(conn, new)
-        if created:
-            conn.execute(
-                update(jobs)
-                .where(jobs.c.id == job_id)
-                .values(
-                    celery_task_id=req.id, published_at=db_now(), broker_epoch=self.platform.broker.epoch()
-                )
-            )
-            self.platform.store.emit(conn, [new_event(job_id, "job.adopted", {"stage": spec.name})])
-            if status == s.DEAD and err is not None:
-                row = self.platform.store.get(conn, job_id)
+        store = self.platform.store
+        try:
+            payload = spec.validate(payload_from_call(args, kwargs))
+        except PayloadInvalid as exc:
+            _, created = store.insert(conn, new)
+            if created:
+                store.emit(conn, [new_event(new.id, "job.adopted", {"stage": spec.name})])
+                row = store.get(conn, new.id)
                 assert row is not None
-                self.platform.store.dead_letter(
+                store.dead_letter(
                     conn,
                     row,
-                    error_type=type(err).__name__,
-                    message=str(err),
+                    error_type=type(exc).__name__,
+                    message=str(exc),
                     tb_text=None,
                     from_status=(s.QUEUED,),
                 )
+            return new.id
+        new.payload = payload.model_dump(mode="json")
+        new.label = spec.label_for(payload)
+        plan = self.platform.dedup_plan(spec, payload, None, "never")
+        if plan is not None and store.get(conn, new.id) is not None:
+            return new.id  # a redelivery of a message adopted before
+        now = self.platform.deduper.clock() if plan is not None else 0.0
+        if plan is not None:
+            new.dedup_key = plan.dedup_id
+            if plan.dedup.mode == "debounce":
+                new.delay = float(plan.dedup.window or 0)
+        job_id, created = self.platform._record(conn, new, plan, now, self.platform.broker.epoch())
+        if created:
+            store.emit(conn, [new_event(job_id, "job.adopted", {"stage": spec.name})])
         return job_id
 
     def _record_skip(self, job_id: str, outcome: ClaimOutcome, task_id: str) -> None:

@@ -47,6 +47,7 @@ class ConveyorSettings(BaseSettings):
     default_soft_time_limit: float = 270.0
     stages: dict[str, StageOverride] = Field(default_factory=dict)
 
+    dedup_cache_ttl: float = Field(300.0, description="longest a dedup holder is cached in Redis")
     retention_days: float = 7.0
     dlq_retention_days: float = 7.0
     result_expires: float = 7 * 86400.0

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from celery import Task
 from pydantic import BaseModel, ValidationError
 
+from conveyor.dedup import Dedup
 from conveyor.errors import PayloadInvalid
 from conveyor.retry import Backoff, RetryPolicy
 
@@ -35,6 +36,7 @@ class StageSpec:
     priority: int = 0
     label: Callable[[Any], str] | None = None
     retry_on_timeout: bool = False
+    dedup: Dedup | None = None
 
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""

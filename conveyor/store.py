@@ -62,6 +62,9 @@ class NewJob:
     options: dict[str, Any] = field(default_factory=dict)
     origin_task_id: str | None = None
     status: str = s.QUEUED
+    published_epoch: str | None = None  # set: inserted as published now under this epoch
+    dedup_key: str | None = None
+    dedup_seq: int | None = None
 
 
 def new_event(job_id: str | None, topic: str, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,6 +113,12 @@ class JobStore:
         }
         if job.status in s.TERMINAL:
             values["finished_at"] = db_now()
+        if job.published_epoch is not None:
+            values.update(
+                celery_task_id=job.origin_task_id, published_at=db_now(), broker_epoch=job.published_epoch
+            )
+        if job.dedup_key is not None:
+            values.update(dedup_key=job.dedup_key, dedup_seq=job.dedup_seq)
         stmt = _insert_ignore(conn, values, ["id"] if job.idempotency_key is None else None)
         created = conn.execute(stmt.returning(jobs.c.id)).first() is not None
         if created:

@@ -217,3 +217,22 @@ def _file_lock(path: Path) -> bool:
         return False
     _held_files[path] = fd
     return True
+
+
+# -- sequences -------------------------------------------------------------------------
+
+
+def next_seq(conn: Connection) -> int:
+    """A number from the platform's sequence, increasing in assignment order.
+
+    Postgres: a real sequence. SQLite: a counter row, safe because writers are serialised.
+    """
+    if not is_sqlite(conn):
+        return int(conn.execute(text("SELECT nextval('conveyor_seq')")).scalar_one())
+    conn.execute(
+        text(
+            "INSERT INTO conveyor_counters(name, value) VALUES ('seq', 1) "
+            "ON CONFLICT(name) DO UPDATE SET value = value + 1"
+        )
+    )
+    return int(conn.execute(text("SELECT value FROM conveyor_counters WHERE name = 'seq'")).scalar_one())

@@ -79,6 +79,8 @@ jobs = Table(
     Column("updated_at", Timestamp(), nullable=False),
     Column("started_at", Timestamp(), nullable=True),
     Column("finished_at", Timestamp(), nullable=True),
+    Column("dedup_key", String(420), nullable=True),
+    Column("dedup_seq", BigInteger, nullable=True),
     Index(
         "ix_jobs_due",
         "run_at",
@@ -125,4 +127,27 @@ dead_letters = Table(
     Index("ix_dead_letters_open", "retried_at", "id"),
     Index("ix_dead_letters_job", "job_id"),
     Index("ix_dead_letters_created", "created_at"),
+)
+
+# Deduplication authority: who holds (scope, key), in which mode, until when. Times are
+# milliseconds of the dedup clock (Redis TIME in production, a virtual clock in tests).
+dedup_keys = Table(
+    "dedup_keys",
+    metadata,
+    Column("scope", String(200), primary_key=True),
+    Column("key", String(200), primary_key=True),
+    Column("job_id", String(36), nullable=False),
+    Column("mode", String(16), nullable=False),
+    Column("expires_ms", BigInteger, nullable=True),
+    Column("first_ms", BigInteger, nullable=False),
+    Column("updated_ms", BigInteger, nullable=False),
+    Index("ix_dedup_keys_job", "job_id"),
+    Index("ix_dedup_keys_expires", "expires_ms"),
+)
+
+counters = Table(
+    "conveyor_counters",
+    metadata,
+    Column("name", String(50), primary_key=True),
+    Column("value", BigInteger, nullable=False),
 )

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from config.celery_app import platform
 from conveyor.context import JobContext
+from conveyor.dedup import Dedup
 from conveyor.errors import PermanentError, TransientError
 from conveyor.retry import Schedule
 from tasks.demo.logic import record_effect, square
@@ -46,6 +47,12 @@ class Effect(BaseModel):
     crash_until_attempt: int = 0
     kill_worker_after_commit: bool = False
     ignore_soft_limit: bool = False
+
+
+class Keyed(Effect):
+    """An effect keyed by user: at most one pending per user (simple dedup)."""
+
+    user: str
 
 
 @platform.stage("conveyor.demo.noop", payload=Number, queue="demo")
@@ -107,3 +114,15 @@ def _kill_after_commit(sender: Any = None, result: Any = None, **_: Any) -> None
         return
     if result.get("job_id") in _kill_after_commit_of:  # only after the body ran, not on a replay
         os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+@platform.stage(
+    "conveyor.demo.keyed",
+    payload=Keyed,
+    queue="demo",
+    dedup=Dedup(mode="simple", key="user:{user}"),
+    label=lambda p: f"keyed {p.user}",
+)
+def keyed(ctx: JobContext, p: Keyed) -> dict[str, Any]:
+    """The effect stage with simple dedup per user."""
+    return effect.spec.fn(ctx, p)  # type: ignore[no-any-return]

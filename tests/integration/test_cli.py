@@ -26,15 +26,23 @@ def _env(home: Path) -> dict[str, str]:
 
 
 def test_commands_explain_when_nothing_runs(tmp_path: Path) -> None:
-    proc = subprocess.run([CONVEYOR, "jobs", "list"], env=_env(tmp_path), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [CONVEYOR, "jobs", "list"], env=_env(tmp_path), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "conveyor up" in proc.stderr
 
 
 def test_up_writes_run_json_and_other_commands_attach(tmp_path: Path) -> None:
     env = _env(tmp_path)
-    up = subprocess.Popen([CONVEYOR, "up"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
+    up = subprocess.Popen(
+        [CONVEYOR, "up"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         run_json = tmp_path / "run.json"
         deadline = time.monotonic() + 60

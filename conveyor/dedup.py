@@ -1,0 +1,383 @@
+"""Deduplication: simple, throttle, debounce and deterministic ids.
+
+Postgres is the authority: a ``dedup_keys`` row, written in the submit transaction with
+``INSERT … ON CONFLICT … DO UPDATE … WHERE`` the old holder no longer holds. Because the
+conflicting insert waits for the holder's transaction, a job can never be deduplicated
+into one that did not commit. Redis only caches *committed* holders (always with a TTL),
+so a duplicate is usually answered by one script call and costs no Postgres commit; a
+cache miss always asks Postgres.
+
+Times here come from the dedup clock: Redis ``TIME`` in production, a virtual clock in
+tests, so windows can be tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import decimal
+import hashlib
+import json
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel
+from redis import Redis
+from sqlalchemy import Connection, and_, exists, literal_column, not_, or_, select, update
+
+from conveyor.db import schema as s
+from conveyor.db.dialect import db_now_plus, is_sqlite, next_seq
+from conveyor.db.schema import dedup_keys, jobs
+from conveyor.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from conveyor.settings import ConveyorSettings
+
+Mode = Literal["simple", "throttle", "debounce", "id"]
+Reuse = Literal["never", "if_failed", "always"]
+FAILED = (s.DEAD, s.CANCELLED, s.EXPIRED)
+
+
+@dataclass(frozen=True)
+class Dedup:
+    """How submits of a stage collapse into one job.
+
+    * ``simple``: while the holder is not terminal, a submit returns it.
+    * ``throttle``: the first submit holds the key for ``ttl`` seconds, finished or not.
+    * ``debounce``: submits within ``window`` replace the pending job's payload and push
+      its start back, but never beyond ``max_wait`` after the first; the last payload runs.
+    * ``id``: a deterministic id from ``fields`` (sha256 of canonical JSON, namespaced by
+      stage) returns the same job in any state for the retention period, unless the
+      submit passes ``reuse="if_failed"`` or ``"always"``.
+
+    ``key`` is a format template over the payload (``"user:{user_id}"``) or a callable;
+    ``scope`` defaults to the stage name.
+    """
+
+    mode: Mode = "simple"
+    key: str | Callable[[Any], str] | None = None
+    fields: tuple[str, ...] | None = None
+    ttl: float | None = None
+    window: float | None = None
+    max_wait: float | None = None
+    scope: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode == "throttle" and not self.ttl:
+            raise ConfigurationError("throttle dedup needs ttl")
+        if self.mode == "debounce" and not self.window:
+            raise ConfigurationError("debounce dedup needs window")
+        if self.mode == "id" and not self.fields:
+            raise ConfigurationError("deterministic ids need fields")
+        if self.key is None and not self.fields:
+            raise ConfigurationError("dedup needs a key template or id fields")
+
+    def resolve(self, stage: str, payload: BaseModel) -> tuple[str, str]:
+        """(scope, key) for ``payload``."""
+        scope = self.scope or stage
+        if self.fields:
+            data = payload.model_dump(mode="python")
+            picked = {f: data.get(f) for f in self.fields}
+            digest = hashlib.sha256(f"{stage}\n{canonical_json(picked)}".encode()).hexdigest()
+            return scope, digest
+        if callable(self.key):
+            return scope, str(self.key(payload))[:200]
+        assert self.key is not None
+        return scope, self.key.format(**payload.model_dump(mode="json"))[:200]
+
+
+def canonical_json(value: Any) -> str:
+    """Sorted keys, no spaces, UTC ISO-8601 datetimes, normalised decimals."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=_canonical, ensure_ascii=False)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+    if isinstance(value, dt.date):
+        return value.isoformat()
+    if isinstance(value, decimal.Decimal):
+        text = format(value.normalize(), "f")
+        return text.rstrip("0").rstrip(".") if "." in text else text
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="python")
+    raise TypeError(f"cannot canonicalise {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class DedupPlan:
+    """One submit's dedup decision inputs: the declared policy resolved for a payload."""
+
+    dedup: Dedup
+    scope: str
+    key: str
+    reuse: Reuse = "never"
+    retention: float = 7 * 86400.0
+
+    @property
+    def dedup_id(self) -> str:
+        """``scope:key``, as stored on the job and reported in events."""
+        return f"{self.scope}:{self.key}"
+
+    @property
+    def ttl(self) -> float | None:
+        """How long the key is held after a submit (None: until the holder is terminal)."""
+        return {
+            "simple": None,
+            "throttle": self.dedup.ttl,
+            "debounce": self.dedup.window,
+            "id": self.retention,
+        }[self.dedup.mode]
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether a cache hit may answer (debounce must update Postgres; reuse must check it)."""
+        return self.dedup.mode != "debounce" and self.reuse == "never"
+
+    def expires_ms(self, now: float) -> int | None:
+        """Absolute expiry on the dedup clock, for the cache entry."""
+        return int((now + self.ttl) * 1000) if self.ttl else None
+
+
+@dataclass
+class Acquired:
+    """The outcome of :meth:`Deduplicator.acquire`."""
+
+    holder: str
+    won: bool
+    replaced: bool = False  # debounce: the holder's payload was replaced
+
+
+_CACHE_HIT = """
+local v = redis.call('GET', KEYS[1])
+if not v then return false end
+local sep = string.find(v, '|', 1, true)
+if not sep then return false end
+local job = string.sub(v, 1, sep - 1)
+local exp = tonumber(string.sub(v, sep + 1))
+if exp > 0 and exp <= tonumber(ARGV[1]) then return false end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', '100000', '*', 'job', job, 'dedup', ARGV[2], 'stage', ARGV[3])
+return job
+"""
+
+_RELEASE = """
+local k = redis.call('GET', KEYS[1])
+if k then
+  local v = redis.call('GET', k)
+  if v and string.sub(v, 1, string.len(ARGV[1]) + 1) == ARGV[1] .. '|' then
+    redis.call('DEL', k)
+  end
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+
+
+class Deduplicator:
+    """The dedup authority (Postgres) and its Redis fast path."""
+
+    def __init__(self, settings: ConveyorSettings, redis: Callable[[], Redis]) -> None:
+        self.settings = settings
+        self._redis = redis
+        self.clock: Callable[[], float] = self.redis_time
+        self.stream = f"{settings.key_prefix}dedup-events"
+        self._hit: Any = None
+        self._release: Any = None
+
+    def redis_time(self) -> float:
+        """Redis ``TIME``: one clock for every submitter, whatever their hosts say."""
+        sec, usec = self._redis().time()
+        return float(sec) + usec / 1e6
+
+    def _key(self, scope: str, key: str) -> str:
+        return f"{self.settings.key_prefix}dd:{scope}:{key}"
+
+    def _of(self, job_id: str) -> str:
+        return f"{self.settings.key_prefix}dd-of:{job_id}"
+
+    # -- fast path ----------------------------------------------------------------------
+
+    def cached(self, scope: str, key: str, stage: str, now: float) -> str | None:
+        """One script call: a committed, unexpired holder (and its event), or None."""
+        if self._hit is None:
+            self._hit = self._redis().register_script(_CACHE_HIT)
+        job = self._hit(
+            keys=[self._key(scope, key), self.stream], args=[int(now * 1000), f"{scope}:{key}", stage]
+        )
+        return job.decode() if isinstance(job, bytes) else job
+
+    def cache(
+        self, scope: str, key: str, job_id: str, mode: Mode, expires_ms: int | None, now: float
+    ) -> None:
+        """Remember a committed holder (never an uncommitted one), always with a TTL."""
+        ttl = self.settings.dedup_cache_ttl
+        if expires_ms:
+            ttl = min(ttl, max(0.001, expires_ms / 1000 - now))
+        ms = max(1, int(ttl * 1000))
+        pipe = self._redis().pipeline(transaction=False)
+        pipe.set(self._key(scope, key), f"{job_id}|{expires_ms or 0}", px=ms)
+        if mode == "simple":
+            pipe.set(self._of(job_id), self._key(scope, key), px=ms)
+        pipe.execute()
+
+    def release(self, job_id: str) -> None:
+        """Compare-and-delete the cached holder once ``job_id`` is terminal (simple mode)."""
+        if self._release is None:
+            self._release = self._redis().register_script(_RELEASE)
+        self._release(keys=[self._of(job_id)], args=[job_id])
+
+    # -- authority ----------------------------------------------------------------------
+
+    def acquire(
+        self,
+        conn: Connection,
+        *,
+        scope: str,
+        key: str,
+        mode: Mode,
+        job_id: str,
+        now: float,
+        ttl: float | None,
+        reuse: Reuse = "never",
+    ) -> Acquired:
+        """Take (scope, key) for ``job_id`` unless a valid holder has it; in ``conn``'s transaction."""
+        now_ms = int(now * 1000)
+        expires_ms = int((now + ttl) * 1000) if ttl else None
+        holder = jobs.alias("holder")
+
+        def holder_is(*cond: Any) -> Any:
+            # Must refer to the conflicting row itself. SQLAlchemy cannot correlate into an
+            # ON CONFLICT clause and would add dedup_keys to the subquery's FROM (a cross
+            # join: any started job anywhere would free every key), hence the literal.
+            q = select(holder.c.id).where(holder.c.id == literal_column("dedup_keys.job_id"), *cond)
+            return exists(q)
+
+        # No "holder row missing" test here: a holder that committed while this statement
+        # waited on the conflicting row is invisible to its snapshot, so "missing" would
+        # free a live key. Keys of purged jobs are deleted by the reconciler instead.
+        finished = holder_is(holder.c.status.in_(list(s.TERMINAL)))
+        failed = holder_is(holder.c.status.in_(list(FAILED)))
+        started = holder_is(or_(holder.c.status != s.QUEUED, holder.c.published_at.is_not(None)))
+        expired = and_(dedup_keys.c.expires_ms.is_not(None), dedup_keys.c.expires_ms <= now_ms)
+        free_if = or_(
+            and_(dedup_keys.c.mode == "simple", finished),
+            and_(dedup_keys.c.mode.in_(["throttle", "id"]), expired),
+            and_(dedup_keys.c.mode == "debounce", or_(expired, started)),
+        )
+        if reuse == "always":
+            free_if = or_(free_if, True)  # type: ignore[arg-type]
+        elif reuse == "if_failed":
+            free_if = or_(free_if, failed)
+        values = {
+            "scope": scope,
+            "key": key,
+            "job_id": job_id,
+            "mode": mode,
+            "expires_ms": expires_ms,
+            "first_ms": now_ms,
+            "updated_ms": now_ms,
+        }
+        if is_sqlite(conn):
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
+        base = dialect_insert(dedup_keys).values(**values)
+        stmt = base.on_conflict_do_update(
+            index_elements=["scope", "key"],
+            set_={k: base.excluded[k] for k in ("job_id", "mode", "expires_ms", "first_ms", "updated_ms")},
+            where=free_if,
+        ).returning(dedup_keys.c.job_id)
+        won = conn.execute(stmt).scalar_one_or_none() == job_id
+        if won:
+            return Acquired(job_id, True)
+        current = (
+            conn.execute(select(dedup_keys).where(dedup_keys.c.scope == scope, dedup_keys.c.key == key))
+            .mappings()
+            .one()
+        )
+        return Acquired(str(current["job_id"]), False)
+
+    def debounce(
+        self,
+        conn: Connection,
+        *,
+        scope: str,
+        key: str,
+        holder: str,
+        payload: Mapping[str, Any],
+        seq: int,
+        now: float,
+        window: float,
+        max_wait: float | None,
+    ) -> bool:
+        """Replace the pending holder's payload (if ``seq`` is newer) and push its start back.
+
+        False when the holder already left ``queued``/unpublished: its window is over.
+        """
+        row = (
+            conn.execute(select(dedup_keys).where(dedup_keys.c.scope == scope, dedup_keys.c.key == key))
+            .mappings()
+            .one()
+        )
+        target = now + window
+        if max_wait is not None:
+            target = min(target, row["first_ms"] / 1000 + max_wait)
+        delay = max(0.0, target - now)
+        pending = and_(jobs.c.id == holder, jobs.c.status == s.QUEUED, jobs.c.published_at.is_(None))
+        res = conn.execute(
+            update(jobs)
+            .where(pending, or_(jobs.c.dedup_seq.is_(None), jobs.c.dedup_seq < seq))
+            .values(payload=dict(payload), dedup_seq=seq, run_at=db_now_plus(delay))
+        )
+        if res.rowcount == 0:
+            # Either no longer pending, or a newer submit already replaced the payload.
+            still = conn.execute(select(jobs.c.id).where(pending)).first()
+            if still is None:
+                return False
+            conn.execute(update(jobs).where(pending).values(run_at=db_now_plus(delay)))
+        conn.execute(
+            update(dedup_keys)
+            .where(dedup_keys.c.scope == scope, dedup_keys.c.key == key, dedup_keys.c.job_id == holder)
+            .values(expires_ms=int(target * 1000), updated_ms=int(now * 1000))
+        )
+        return True
+
+    def steal(
+        self,
+        conn: Connection,
+        *,
+        scope: str,
+        key: str,
+        old: str,
+        new: str,
+        mode: Mode,
+        now: float,
+        ttl: float | None,
+    ) -> bool:
+        """Move the key from a holder whose window closed to ``new``."""
+        now_ms = int(now * 1000)
+        res = conn.execute(
+            update(dedup_keys)
+            .where(dedup_keys.c.scope == scope, dedup_keys.c.key == key, dedup_keys.c.job_id == old)
+            .values(
+                job_id=new,
+                mode=mode,
+                first_ms=now_ms,
+                updated_ms=now_ms,
+                expires_ms=int((now + ttl) * 1000) if ttl else None,
+            )
+        )
+        return res.rowcount == 1
+
+    @staticmethod
+    def sequence(conn: Connection) -> int:
+        """The submit's sequence number, assigned by the database."""
+        return next_seq(conn)
+
+
+__all__ = ["Acquired", "Dedup", "Deduplicator", "canonical_json", "not_"]
