@@ -97,6 +97,7 @@ class Relay:
                 if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
             ]
             finished = self._reconcile(conn, report) if reconcile else []
+        self._copy_dedup_events()
         for job_id, status, dedup_key in finished:
             p.finished(job_id, status, dedup_key=dedup_key)
         for row, task_id in marked:
@@ -104,6 +105,30 @@ class Relay:
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
         report.republished = len(marked) - report.published
         return report
+
+    def _copy_dedup_events(self) -> None:
+        """Move fast-path dedup events from their Redis stream into the outbox.
+
+        At-least-once: entries are deleted from the stream only after the outbox commit.
+        """
+        p = self.platform
+        r = p.redis
+        entries: list[Any] = list(r.xrange(p.deduper.stream, count=BATCH) or [])
+        if not entries:
+            return
+        events = []
+        for _, fields in entries:
+            f = {_text(k): _text(v) for k, v in (fields or {}).items()}
+            body = {
+                "stage": f.get("stage"),
+                "dedup_id": f.get("dedup"),
+                "existing_job": f.get("job"),
+                "fast_path": True,
+            }
+            events.append(new_event(f.get("job"), "job.deduplicated", body))
+        with p.engine.begin() as conn:
+            p.store.emit(conn, events)
+        r.xdel(p.deduper.stream, *[_text(eid) for eid, _ in entries])
 
     def _publish(self, row: Any, task_id: str) -> None:
         try:
@@ -246,6 +271,10 @@ class Relay:
                     self._last_reconcile = now
             except Exception:  # an outage must not kill the thread; the next pass retries
                 log.warning("relay pass failed", exc_info=True)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 __all__ = ["Relay", "TickReport", "and_"]

@@ -1,0 +1,57 @@
+"""delay(), send_task by name and a duplicate raw message all meet the same dedup layer.
+
+Needs a worker with free slots while the holder is held on a barrier, hence a real
+prefork worker here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+
+import tasks.demo as demo
+from conveyor.db import schema as s
+from conveyor.db.schema import jobs
+from tests.fault.conftest import Spawn
+from tests.helpers import effect_count, eventually
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
+
+
+def _topics(handle: Any) -> list[str]:
+    return [e.topic for e in handle.events()[0]]
+
+
+def test_no_path_bypasses_dedup(platform: Any, spawn: Spawn, tag: str) -> None:
+    spawn(concurrency=3)
+    holder = platform.submit("conveyor.demo.keyed", {"user": tag, "note": tag, "barrier": tag})
+    eventually(lambda: platform.redis.llen(f"{tag}:started") == 1, timeout=60)
+
+    via_delay = demo.keyed.delay(user=tag, note=tag)
+    assert via_delay.job.deduplicated and via_delay.job.id == holder.id
+
+    platform.app.send_task("conveyor.demo.keyed", kwargs={"user": tag, "note": tag}, queue="demo")
+    eventually(lambda: _topics(holder).count("job.deduplicated") >= 2, timeout=60)
+
+    row = holder.row()
+    platform.broker.publish(
+        stage=row["stage"],
+        job_id=row["id"],
+        queue=row["queue"],
+        payload=row["payload"],
+        options=row["options"],
+        task_id=row["celery_task_id"],
+    )
+    eventually(lambda: "job.skipped" in _topics(holder), timeout=60)
+
+    platform.redis.rpush(f"{tag}:go", "go")
+    assert holder.wait(60) == s.SUCCEEDED
+    assert effect_count(platform, note=tag) == 1
+    with platform.engine.connect() as conn:
+        n = conn.execute(
+            select(func.count())
+            .select_from(jobs)
+            .where(jobs.c.dedup_key == f"conveyor.demo.keyed:user:{tag}")
+        ).scalar_one()
+    assert n == 1
