@@ -39,12 +39,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from celery import Celery
-from celery.result import AsyncResult, ResultSet
+from celery.result import AsyncResult
 
 from config.queues import DEFAULT_QUEUE, QUEUES
 from conveyor.celeryconfig import celery_config
@@ -129,6 +130,7 @@ class Bench:
     n: int
     concurrency: int
     home: Path
+    submitters: int = 4
     worker: subprocess.Popen[bytes] | None = None
     results: list[RunResult] = field(default_factory=list)
 
@@ -232,10 +234,9 @@ class Bench:
             raise BenchError(f"expected {expected} succeeded jobs, found {counts} and {dead} dead letters")
 
     def submit_tracked(self, count: int) -> None:
-        """Submit ``count`` no-op jobs through the platform."""
+        """Submit ``count`` no-op jobs through the platform, from ``submitters`` threads."""
         submit = self.platform.submit
-        for i in range(count):
-            submit(TRACKED_STAGE, {"n": i})
+        fan_out(self.submitters, count, lambda i: submit(TRACKED_STAGE, {"n": i}))
 
     def run_tracked(self, run: int) -> RunResult:
         """One timed tracked run with a fresh worker."""
@@ -269,15 +270,17 @@ class Bench:
     # -- raw side --------------------------------------------------------------------
 
     def submit_raw(self, count: int) -> list[AsyncResult]:
-        """Publish ``count`` raw no-op tasks."""
+        """Publish ``count`` raw no-op tasks, from ``submitters`` threads."""
         send = noop.apply_async
-        return [send(kwargs={"n": i}, queue=QUEUE) for i in range(count)]
+        return fan_out(self.submitters, count, lambda i: send(kwargs={"n": i}, queue=QUEUE))
 
     def collect_raw(self, results: Sequence[AsyncResult], timeout: float) -> None:
         """Wait for every result (MGET polling every 50 ms) and check each value."""
-        values = ResultSet(list(results), app=raw_app).join_native(
-            timeout=timeout, interval=POLL_INTERVAL, propagate=True
-        )
+        # MGET polling of the result keys: submissions came from several threads, so the
+        # per-thread pub/sub result consumer cannot be relied on here.
+        ids = [r.id for r in results]
+        metas = dict(raw_app.backend.get_many(ids, timeout=timeout, interval=POLL_INTERVAL))
+        values = [metas[i]["result"] for i in ids]
         bad = [i for i, v in enumerate(values) if v != {"n": i}]
         if bad:
             raise BenchError(f"{len(bad)} raw results were wrong (first: #{bad[0]} = {values[bad[0]]!r})")
@@ -321,6 +324,20 @@ class Bench:
         return tracked, raw
 
 
+T = TypeVar("T")
+
+
+def fan_out(threads: int, count: int, fn: Callable[[int], T]) -> list[T]:
+    """``[fn(i) for i in range(count)]``, spread over ``threads`` threads, in order.
+
+    Both sides submit the same way, like a web app with several request threads would.
+    """
+    if threads <= 1:
+        return [fn(i) for i in range(count)]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return list(pool.map(fn, range(count), chunksize=max(1, count // (threads * 4))))
+
+
 def log(message: str) -> None:
     """Human progress, on stderr."""
     print(message, file=sys.stderr, flush=True)
@@ -332,6 +349,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=5000, help="jobs/tasks per run (default 5000)")
     parser.add_argument("--concurrency", type=int, default=None, help="pool size (default: the setting)")
     parser.add_argument("--runs", type=int, default=3, help="runs per side, interleaved (default 3)")
+    parser.add_argument(
+        "--submitters", type=int, default=4, help="submitting threads, both sides (default 4)"
+    )
     parser.add_argument("--smoke", action="store_true", help=f"CI: n={SMOKE_N}, 1 run")
     parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis base URL, without a DB index")
     parser.add_argument("--pg", default=DEFAULT_PG, help="Postgres base URL, without a database")
@@ -385,6 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             n=args.n,
             concurrency=args.concurrency or platform.settings.worker_concurrency,
             home=home,
+            submitters=args.submitters,
         )
         log(
             f"throughput: n={args.n} runs={args.runs} concurrency={bench.concurrency} "

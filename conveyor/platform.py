@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db import schema as s
+from conveyor.db.dialect import is_sqlite
 from conveyor.db.engine import make_engine
 from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
@@ -104,6 +105,10 @@ class Platform:
                         )
                     self._engine = make_engine(url, pool_size=self.settings.db_pool_size)
         return self._engine
+
+    def autocommit(self) -> Connection:
+        """A connection in autocommit mode, for single-statement writes (one round trip)."""
+        return self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
     @property
     def redis(self) -> Redis:
@@ -349,9 +354,8 @@ class Platform:
         """Insert ``new`` (marked as published under ``epoch`` if due now) plus its event."""
         if new.delay <= 0 and epoch is not None:
             new.published_epoch = epoch
-        created = self.store.insert(conn, new)[1]
+        created = self.store.insert_submitted(conn, new)
         if created:
-            self.store.emit(conn, [new_event(new.id, "job.submitted", {"stage": new.stage})])
             self.metrics.inc("submitted", new.stage)
         return created
 
@@ -371,21 +375,15 @@ class Platform:
             if plan.dedup.mode == "debounce":
                 new.delay = max(new.delay, float(plan.dedup.window or 0))
         epoch = self.broker.epoch() if new.delay <= 0 else None
-        own = session is None
-        conn = self.engine.connect() if session is None else session.connection()
-        try:
-            if own:
-                conn.begin()
-            job_id, created = self._record(conn, new, plan, now, epoch)
-            if own:
-                conn.commit()
-        except BaseException:
-            if own:
-                conn.rollback()
-            raise
-        finally:
-            if own:
-                conn.close()
+        if session is not None:
+            job_id, created = self._record(session.connection(), new, plan, now, epoch)
+        elif plan is None and not is_sqlite(self.engine):
+            # The common submit is one statement (job row + outbox event): no transaction.
+            with self.autocommit() as ac:
+                job_id, created = self._record(ac, new, None, now, epoch)
+        else:
+            with self.engine.begin() as conn:
+                job_id, created = self._record(conn, new, plan, now, epoch)
 
         def after_commit() -> None:
             if created and plan is not None and plan.dedup.mode != "debounce":

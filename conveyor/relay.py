@@ -74,23 +74,17 @@ class Relay:
                 .mappings()
                 .all()
             )
-            lost = (
-                conn.execute(
-                    select(jobs)
-                    .where(
-                        jobs.c.status.in_(s.CLAIMABLE),
-                        jobs.c.published_at.is_not(None),
-                        or_(
-                            jobs.c.broker_epoch.is_(None),
-                            jobs.c.broker_epoch != epoch,
-                            jobs.c.published_at < db_now_plus(-p.settings.republish_after),
-                        ),
-                    )
-                    .limit(BATCH)
-                )
-                .mappings()
-                .all()
+            # Two index-friendly queries rather than one OR: a wiped broker, and a message
+            # that sat unclaimed too long under the current epoch.
+            published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
+            other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
+            unclaimed = and_(
+                jobs.c.broker_epoch == epoch, jobs.c.published_at < db_now_plus(-p.settings.republish_after)
             )
+            lost = [
+                *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
+                *conn.execute(select(jobs).where(published, unclaimed).limit(BATCH)).mappings(),
+            ]
             marked = [
                 (row, task_id)
                 for row in [*due, *lost]

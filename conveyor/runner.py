@@ -28,7 +28,7 @@ from conveyor.errors import (
     PermanentError,
 )
 from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
-from conveyor.store import ClaimOutcome, NewJob, Row, format_traceback, new_event
+from conveyor.store import Claim, ClaimOutcome, NewJob, Row, format_traceback, new_event
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
@@ -129,12 +129,19 @@ class Runner:
         spec = task.spec
         req = task.request
         store = self.platform.store
+        owner = lease_owner()
         try:
             job_id = _header(req, JOB_HEADER)
-            with self.platform.engine.begin() as conn:
-                if job_id is None:
-                    job_id = self._adopt(conn, spec, req, args, kwargs)
-                claim = store.claim(conn, job_id, owner=lease_owner(), task_id=req.id)
+            claim: Claim | None = None
+            if job_id is not None:
+                with self.platform.autocommit() as conn:
+                    row = store.fast_claim(conn, job_id, owner=owner, task_id=req.id)
+                claim = Claim(ClaimOutcome.RUN, row) if row is not None else None
+            if claim is None:
+                with self.platform.engine.begin() as conn:
+                    if job_id is None:
+                        job_id = self._adopt(conn, spec, req, args, kwargs)
+                    claim = store.claim(conn, job_id, owner=owner, task_id=req.id)
         except INFRA_ERRORS as exc:
             log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
             time.sleep(self.platform.settings.infra_backoff)
@@ -148,6 +155,7 @@ class Runner:
         if claim.outcome is ClaimOutcome.ALREADY_SUCCEEDED:
             assert job is not None
             return self._replay_success(task, job)
+        assert job_id is not None
         self._record_skip(job_id, claim.outcome, req.id)
         if claim.outcome is ClaimOutcome.TERMINAL and job is not None:
             self.platform.finished(job_id, job["status"], dedup_key=job["dedup_key"])
@@ -200,15 +208,23 @@ class Runner:
         """Commit the stage's writes, its ``succeeded`` CAS, its events and its continuation."""
         store = self.platform.store
         conn = ctx.take_connection()
+        if conn is None and not ctx.events and not task.request.chain and not task.request.callbacks:
+            # Nothing but the completion itself to commit: one statement, autocommit.
+            with self.platform.autocommit() as ac:
+                if not store.succeed_with_event(ac, job["id"], int(job["attempts"]), result, spec.name):
+                    raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
+            self.platform.metrics.inc("succeeded", spec.name)
+            self._after_commit(task, job, result, [])
+            return
         own = conn is None
         if conn is None:
             conn = self.platform.engine.connect()
             conn.begin()
         continuation: list[NewJob] = []
         try:
-            if not store.succeed(conn, job["id"], int(job["attempts"]), result):
+            if not store.succeed_with_event(conn, job["id"], int(job["attempts"]), result, spec.name):
                 raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
-            store.emit(conn, [new_event(job["id"], "job.succeeded", {"stage": spec.name}), *ctx.events])
+            store.emit(conn, ctx.events)
             continuation = self._take_over_continuation(conn, task, job, result)
             conn.commit()
         except BaseException:

@@ -16,7 +16,15 @@ from sqlalchemy import Connection, and_, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, visible_txid_horizon
+from conveyor.db.dialect import (
+    PG_CLAIM,
+    PG_SUBMIT,
+    PG_SUCCEED,
+    db_now,
+    db_now_plus,
+    is_sqlite,
+    visible_txid_horizon,
+)
 from conveyor.db.schema import dead_letters, job_events, jobs
 from conveyor.runfile import pid_alive
 
@@ -128,6 +136,36 @@ class JobStore:
             raise RuntimeError("job insert conflicted but no existing row was found")
         return existing, False
 
+    def insert_submitted(self, conn: Connection, job: NewJob) -> bool:
+        """Insert ``job`` with its ``job.submitted`` event; False if it already existed."""
+        if is_sqlite(conn) or job.status != s.QUEUED:
+            created = self.insert(conn, job)[1]
+            if created:
+                self.emit(conn, [new_event(job.id, "job.submitted", {"stage": job.stage})])
+            return created
+        params = {
+            "id": job.id,
+            "stage": job.stage,
+            "queue": job.queue,
+            "priority": job.priority,
+            "payload": job.payload,
+            "label": job.label,
+            "idempotency_key": job.idempotency_key,
+            "max_attempts": job.max_attempts,
+            "delay": max(0.0, job.delay),
+            "expires_in": job.expires_in,
+            "flow_id": job.flow_id or job.id,
+            "parent_id": job.parent_id,
+            "options": job.options,
+            "origin_task_id": job.origin_task_id,
+            "celery_task_id": job.origin_task_id if job.published_epoch else None,
+            "broker_epoch": job.published_epoch,
+            "dedup_key": job.dedup_key,
+            "dedup_seq": job.dedup_seq,
+            "event": {"stage": job.stage},
+        }
+        return conn.execute(PG_SUBMIT, params).first() is not None
+
     def find_existing(self, conn: Connection, job_id: str, key: str | None) -> str | None:
         """The id of the row holding ``job_id`` or idempotency ``key``."""
         cond = jobs.c.id == job_id
@@ -154,6 +192,13 @@ class JobStore:
 
     # -- claim --------------------------------------------------------------------------
 
+    def fast_claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> RowMapping | None:
+        """The common case in one round trip (Postgres, autocommit); None means "ask
+        :meth:`claim`", which also explains why."""
+        if is_sqlite(conn):
+            return None
+        return conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
+
     def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:
         """Move ``job_id`` to ``running`` for this delivery, or say why not.
 
@@ -161,13 +206,18 @@ class JobStore:
         ``running`` when the lease is stale (a takeover: attempt n+1). Losers lose by
         rowcount, never by exception.
         """
-        due = and_(
-            jobs.c.status.in_(s.CLAIMABLE),
-            jobs.c.run_at <= db_now(),
-            jobs.c.cancel_requested_at.is_(None),
-            or_(jobs.c.expires_at.is_(None), jobs.c.expires_at > db_now()),
-        )
-        row = self._take(conn, job_id, due, owner=owner, task_id=task_id)
+        if is_sqlite(conn):
+            due = and_(
+                jobs.c.status.in_(s.CLAIMABLE),
+                jobs.c.run_at <= db_now(),
+                jobs.c.cancel_requested_at.is_(None),
+                or_(jobs.c.expires_at.is_(None), jobs.c.expires_at > db_now()),
+            )
+            row = self._take(conn, job_id, due, owner=owner, task_id=task_id)
+        else:
+            row = (
+                conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
+            )
         if row is not None:
             return Claim(ClaimOutcome.RUN, row)
         current = self.get(conn, job_id)
@@ -322,6 +372,18 @@ class JobStore:
             )
         )
         return res.rowcount == 1
+
+    def succeed_with_event(
+        self, conn: Connection, job_id: str, attempt: int, result: Any, stage: str
+    ) -> bool:
+        """:meth:`succeed` plus its ``job.succeeded`` event (one statement on Postgres)."""
+        if is_sqlite(conn):
+            ok = self.succeed(conn, job_id, attempt, result)
+            if ok:
+                self.emit(conn, [new_event(job_id, "job.succeeded", {"stage": stage})])
+            return ok
+        params = {"id": job_id, "attempt": attempt, "result": result, "event": {"stage": stage}}
+        return conn.execute(PG_SUCCEED, params).first() is not None
 
     def schedule_retry(
         self, conn: Connection, job: Row, attempt: int, delay: float, error: BaseException

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import BigInteger, DateTime, Dialect, Engine, event, text
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Engine, Float, bindparam, event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -75,9 +75,11 @@ class db_now_plus(FunctionElement[dt.datetime]):
 _SQLITE_NOW_MS = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
 
 
+# As scalar subqueries: Postgres evaluates them once (an InitPlan), so unlike a bare
+# volatile clock_timestamp() they can bound index scans in the relay's queries.
 @compiles(db_now, "postgresql")
 def _now_pg(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
-    return "clock_timestamp()"
+    return "(SELECT clock_timestamp())"
 
 
 @compiles(db_now, "sqlite")
@@ -87,7 +89,7 @@ def _now_sqlite(element: db_now, compiler: SQLCompiler, **kw: Any) -> str:
 
 @compiles(db_now_plus, "postgresql")
 def _now_plus_pg(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
-    return f"(clock_timestamp() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
+    return f"(SELECT clock_timestamp() + make_interval(secs => {compiler.process(element.clauses, **kw)}))"
 
 
 @compiles(db_now_plus, "sqlite")
@@ -236,3 +238,60 @@ def next_seq(conn: Connection) -> int:
         )
     )
     return int(conn.execute(text("SELECT value FROM conveyor_counters WHERE name = 'seq'")).scalar_one())
+
+
+# -- Postgres hot paths ------------------------------------------------------------------
+# The three writes every job makes (submit, claim, succeed), each as one prepared
+# statement: a data-modifying CTE writes the row and its outbox event together. SQLite
+# (one writer, no DML CTEs) uses the generic statements in conveyor.store.
+
+_JSON = JSON()
+
+PG_SUBMIT = text(
+    """
+    WITH j AS (
+      INSERT INTO jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
+                        max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
+                        created_at, updated_at, celery_task_id, published_at, broker_epoch,
+                        dedup_key, dedup_seq)
+      VALUES (:id, :stage, :queue, 'queued', :priority, :payload, :label, :idempotency_key, 0,
+              :max_attempts, clock_timestamp() + make_interval(secs => :delay),
+              CASE WHEN CAST(:expires_in AS float8) IS NULL THEN NULL
+                   ELSE clock_timestamp() + make_interval(secs => :expires_in) END,
+              :flow_id, :parent_id, :options, :origin_task_id, clock_timestamp(), clock_timestamp(),
+              :celery_task_id,
+              CASE WHEN CAST(:broker_epoch AS text) IS NULL THEN NULL ELSE clock_timestamp() END,
+              :broker_epoch, :dedup_key, :dedup_seq)
+      ON CONFLICT DO NOTHING
+      RETURNING id
+    )
+    INSERT INTO job_events (job_id, topic, body, created_at)
+    SELECT id, 'job.submitted', :event, clock_timestamp() FROM j
+    RETURNING job_id
+    """
+).bindparams(
+    bindparam("payload", type_=_JSON),
+    bindparam("options", type_=_JSON),
+    bindparam("event", type_=_JSON),
+    bindparam("delay", type_=Float()),
+    bindparam("expires_in", type_=Float()),
+)
+
+# One round trip, in autocommit: see migration 0004 (it commits asynchronously).
+PG_CLAIM = text("SELECT * FROM conveyor_claim(:id, :owner, :task_id)").columns(
+    payload=_JSON, options=_JSON, result=_JSON, progress=_JSON
+)
+
+PG_SUCCEED = text(
+    """
+    WITH u AS (
+      UPDATE jobs SET status = 'succeeded', result = :result, lease_owner = NULL,
+             finished_at = clock_timestamp(), updated_at = clock_timestamp()
+      WHERE id = :id AND status = 'running' AND attempts = :attempt
+      RETURNING id
+    )
+    INSERT INTO job_events (job_id, topic, body, created_at)
+    SELECT id, 'job.succeeded', :event, clock_timestamp() FROM u
+    RETURNING job_id
+    """
+).bindparams(bindparam("result", type_=_JSON), bindparam("event", type_=_JSON))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
 
@@ -38,7 +39,7 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
             url,
             pool_size=pool_size,
             max_overflow=0,
-            pool_pre_ping=True,
+            pool_pre_ping=False,
             pool_timeout=30,
             pool_recycle=1800,
         )

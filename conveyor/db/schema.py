@@ -92,6 +92,7 @@ jobs = Table(
     Index("ix_jobs_stage_status", "stage", "status"),
     Index("ix_jobs_flow", "flow_id"),
     Index("ix_jobs_finished", "finished_at"),
+    Index("ix_jobs_celery_task", "celery_task_id"),
 )
 
 job_events = Table(
@@ -106,6 +107,7 @@ job_events = Table(
     Column("created_at", Timestamp(), nullable=False),
     Index("ix_job_events_position", "txid", "id"),
     Index("ix_job_events_job", "job_id", "id"),
+    Index("ix_job_events_created", "created_at"),
 )
 
 dead_letters = Table(
