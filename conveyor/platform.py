@@ -8,7 +8,8 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 from celery import Celery, Signature
@@ -106,9 +107,16 @@ class Platform:
                     self._engine = make_engine(url, pool_size=self.settings.db_pool_size)
         return self._engine
 
-    def autocommit(self) -> Connection:
-        """A connection in autocommit mode, for single-statement writes (one round trip)."""
-        return self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    @contextmanager
+    def autocommit(self) -> Iterator[Connection]:
+        """A connection for single-statement writes: autocommit on Postgres (one round
+        trip); on SQLite an ordinary transaction (its writers must BEGIN IMMEDIATE)."""
+        if is_sqlite(self.engine):
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            yield conn
 
     @property
     def redis(self) -> Redis:
