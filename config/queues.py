@@ -7,6 +7,8 @@ from kombu import Exchange, Queue
 EXCHANGE = Exchange("conveyor", type="direct")
 
 QUEUES = [
+    # Stages that preempt others (writes) get their own queue, consumed first.
+    Queue("priority", EXCHANGE, routing_key="priority"),
     Queue("default", EXCHANGE, routing_key="default"),
     Queue("demo", EXCHANGE, routing_key="demo"),
 ]

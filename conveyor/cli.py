@@ -307,6 +307,22 @@ def jobs_show(job_id: str) -> None:
     _run(main)
 
 
+@jobs_cli.command("cancel")
+def jobs_cancel(job_id: str, reason: str = typer.Option(None, help="why (recorded with the job)")) -> None:
+    """Cancel a queued, delayed, parked or running job; prints the resulting status."""
+
+    def main() -> int:
+        try:
+            status = load_platform().cancel(job_id, by=f"cli@{socket.gethostname()}", reason=reason)
+        except LookupError as exc:
+            err.print(str(exc))
+            return 1
+        console.print(f"job {job_id}: {status}")
+        return 0
+
+    _run(main)
+
+
 # -- dlq ----------------------------------------------------------------------------------
 
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, update
+from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 
-from conveyor.db.schema import jobs
+from conveyor.db.schema import RUNNING, jobs, leases
+from conveyor.errors import Cancelled, LeaseLost, Preempted
+from conveyor.leases import CANCEL, PREEMPT, Held
 from conveyor.store import new_event
 
 if TYPE_CHECKING:
@@ -47,6 +51,9 @@ class JobContext:
         self._conn: Connection | None = None
         self._session: Session | None = None
         self.lease_lost = False
+        self.held: Held | None = None
+        self.stop_requested: str | None = None  # "preempt" / "cancel", set by the poller
+        self._last_check = 0.0
 
     @property
     def connection(self) -> Connection:
@@ -76,11 +83,52 @@ class JobContext:
             store.emit(conn, [new_event(self.job_id, "job.progress", info)])
 
     def checkpoint(self) -> None:
-        """A safe point to stop: raises if this attempt was fenced off."""
-        if self.lease_lost:
-            from conveyor.errors import LeaseLost
+        """A safe point to stop. Call it in loops (e.g. every 10 records).
 
+        Raises :class:`Preempted` when a higher-priority job needs this job's lease (the
+        job is requeued and runs again later), :class:`Cancelled` after ``cancel()``, and
+        :class:`LeaseLost` when this attempt no longer owns the job.
+        """
+        if self.lease_lost:
             raise LeaseLost(f"job {self.job_id} attempt {self.attempt} lost its lease")
+        kind = self.stop_requested
+        now = time.monotonic()
+        if kind is None and now - self._last_check >= 0.02:
+            self._last_check = now
+            kind = self.stop_requested = self.platform.leases.stop_requested(self.job_id, self.attempt)
+        if kind == PREEMPT:
+            raise Preempted(f"job {self.job_id} yields its lease to a higher-priority job")
+        if kind == CANCEL:
+            raise Cancelled(f"job {self.job_id} was cancelled")
+
+    @contextmanager
+    def fenced(self) -> Iterator[Connection]:
+        """A transaction that commits only while this attempt owns the job and its lease.
+
+        The job row (and the lease row) are locked for the transaction, so a takeover
+        cannot slip in between the check and the commit; it fails closed.
+        """
+        with self.platform.engine.begin() as conn:
+            owned = conn.execute(
+                select(jobs.c.id)
+                .where(jobs.c.id == self.job_id, jobs.c.status == RUNNING, jobs.c.attempts == self.attempt)
+                .with_for_update()
+            ).first()
+            if owned is None:
+                raise LeaseLost(f"job {self.job_id} attempt {self.attempt} no longer owns the job")
+            if self.held is not None:
+                holds = conn.execute(
+                    select(leases.c.key)
+                    .where(
+                        leases.c.key == self.held.key,
+                        leases.c.holder_job == self.job_id,
+                        leases.c.token == self.held.token,
+                    )
+                    .with_for_update()
+                ).first()
+                if holds is None:
+                    raise LeaseLost(f"job {self.job_id} no longer holds lease {self.held.key}")
+            yield conn
 
     # -- used by the runner -------------------------------------------------------------
 

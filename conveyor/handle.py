@@ -89,6 +89,10 @@ class JobHandle:
         finally:
             pubsub.close()
 
+    def cancel(self, *, by: str = "api", reason: str | None = None) -> str:
+        """Cancel this job (see :meth:`Platform.cancel`); returns the resulting status."""
+        return self.platform.cancel(self.id, by=by, reason=reason)
+
     def events(self, since: str | None = None) -> tuple[list[JobEvent], str | None]:
         """This job's events after cursor ``since``, and the next cursor."""
         with self.platform.engine.connect() as conn:

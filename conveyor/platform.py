@@ -16,20 +16,21 @@ from celery import Celery, Signature
 from kombu.entity import Queue
 from pydantic import BaseModel
 from redis import Redis
-from sqlalchemy import Connection, Engine, update
+from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db import schema as s
-from conveyor.db.dialect import is_sqlite
+from conveyor.db.dialect import db_now, is_sqlite
 from conveyor.db.engine import make_engine
-from conveyor.db.schema import jobs
+from conveyor.db.schema import jobs, leases
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterQueue
 from conveyor.errors import ConfigurationError, NotRunning
 from conveyor.handle import JobHandle
+from conveyor.leases import CANCEL, PREEMPT, Leases, format_key
 from conveyor.metrics import Metrics
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.runner import Runner
@@ -64,6 +65,7 @@ class Platform:
         self.runner = Runner(self)
         self.metrics = Metrics(settings)
         self.deduper = Deduplicator(settings, lambda: self.redis)
+        self.leases = Leases(self)
         self._engine: Engine | None = None
         self._redis: Redis | None = None
         self._broker: Broker | None = None
@@ -153,6 +155,9 @@ class Platform:
         label: Callable[[Any], str] | None = None,
         retry_on_timeout: bool = False,
         dedup: Dedup | None = None,
+        lease_key: str | None = None,
+        preemptable: bool = False,
+        grace: float | None = None,
     ) -> Callable[[Callable[..., Any]], StageTask]:
         """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``.
 
@@ -192,6 +197,9 @@ class Platform:
                 label=label,
                 retry_on_timeout=retry_on_timeout,
                 dedup=dedup,
+                lease_key=lease_key,
+                preemptable=preemptable,
+                grace=grace,
             )
             self.stages[name] = spec
             task = self.app.task(
@@ -393,6 +401,8 @@ class Platform:
             with self.engine.begin() as conn:
                 job_id, created = self._record(conn, new, plan, now, epoch)
 
+        spec = self.stages.get(new.stage)
+
         def after_commit() -> None:
             if created and plan is not None and plan.dedup.mode != "debounce":
                 try:
@@ -403,6 +413,11 @@ class Platform:
                     log.warning("could not cache dedup holder %s", new.id, exc_info=True)
             if created and new.delay <= 0:
                 self.publish_new(new)
+            if created and spec is not None and spec.lease_key:
+                try:
+                    self._request_preemption_for(new.id, spec, new.payload)
+                except Exception:  # the claim asks again
+                    log.warning("submit-time preemption request for %s failed", new.id, exc_info=True)
 
         if session is None:
             after_commit()
@@ -521,6 +536,76 @@ class Platform:
             task_id=task_id,
         )
         return task_id
+
+    # -- cancellation & preemption ------------------------------------------------------
+
+    def cancel(self, job_id: str, *, by: str = "api", reason: str | None = None) -> str:
+        """Cancel a job in any state; returns the status it ends up in (idempotent).
+
+        A queued, delayed or parked job ends ``cancelled`` at once (a message already on
+        the broker finds it cancelled at claim, even if every worker was offline when
+        this ran). A running job is asked to stop: it raises ``Cancelled`` at its next
+        checkpoint, or is interrupted after its grace period. A job that already finished
+        keeps its final state, which is returned.
+        """
+        stop: tuple[int, str | None] | None = None
+        with self.engine.begin() as conn:
+            row = self.store.get(conn, job_id)
+            if row is None:
+                raise LookupError(f"job {job_id} not found")
+            status = str(row["status"])
+            who = {"cancelled_by": by[:200], "cancel_reason": reason}
+            if status in (s.QUEUED, s.RETRYING, s.WAITING_LEASE):
+                ok = self.store.finish(
+                    conn,
+                    row,
+                    s.CANCELLED,
+                    from_status=(status,),
+                    topic="job.cancelled",
+                    body={"by": by, "reason": reason, "while": status},
+                )
+                if ok:
+                    conn.execute(
+                        update(jobs).where(jobs.c.id == job_id).values(cancel_requested_at=db_now(), **who)
+                    )
+                    status = s.CANCELLED
+                else:
+                    status = str(self.store.get(conn, job_id)["status"])  # type: ignore[index]
+            elif status == s.RUNNING:
+                res = conn.execute(
+                    update(jobs)
+                    .where(
+                        jobs.c.id == job_id, jobs.c.status == s.RUNNING, jobs.c.cancel_requested_at.is_(None)
+                    )
+                    .values(cancel_requested_at=db_now(), **who)
+                )
+                if res.rowcount == 1:
+                    self.store.emit(
+                        conn, [new_event(job_id, "job.cancel_requested", {"by": by, "reason": reason})]
+                    )
+                stop = (int(row["attempts"]), row["celery_task_id"])
+        if stop is not None:
+            self.leases.flag(job_id, stop[0], CANCEL, stop[1])
+        elif status == s.CANCELLED:
+            self.finished(job_id, status, dedup_key=row["dedup_key"])
+        return status
+
+    def _request_preemption_for(self, job_id: str, spec: StageSpec, payload: Mapping[str, Any]) -> None:
+        """Submit-time preemption: ask a lower-priority preemptable holder of the lease to
+        yield now, so it stops even if no pool slot is free for the new job."""
+        assert spec.lease_key is not None
+        key = format_key(spec.lease_key, payload)
+        flag: tuple[str, int, str | None] | None = None
+        with self.engine.begin() as conn:
+            lease = conn.execute(select(leases).where(leases.c.key == key)).mappings().one_or_none()
+            if lease is None or lease["holder_job"] in (None, job_id):
+                return
+            if self.leases.request_preemption(conn, lease, by_job=job_id, priority=spec.priority):
+                holder = self.store.get(conn, lease["holder_job"])
+                if holder is not None and holder["status"] == s.RUNNING:
+                    flag = (str(holder["id"]), int(holder["attempts"]), holder["celery_task_id"])
+        if flag is not None:
+            self.leases.flag(flag[0], flag[1], PREEMPT, flag[2])
 
     # -- handles ------------------------------------------------------------------------
 

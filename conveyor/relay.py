@@ -48,6 +48,8 @@ class Relay:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_reconcile = 0.0
+        self._unparked: list[str] = []
+        self._interrupts: list[tuple[str, int, str]] = []
 
     # -- one pass -----------------------------------------------------------------------
 
@@ -94,6 +96,13 @@ class Relay:
         self._copy_dedup_events()
         for job_id, status, dedup_key in finished:
             p.finished(job_id, status, dedup_key=dedup_key)
+        for job_id in self._unparked:
+            p.republish_if_queued(job_id)
+        for job_id, attempt, task_id in self._interrupts:
+            p.app.control.broadcast(
+                "conveyor_interrupt", arguments={"job_id": job_id, "attempt": attempt, "task_id": task_id}
+            )
+        self._unparked, self._interrupts = [], []
         for row, task_id in marked:
             self._publish(row, task_id)
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
@@ -217,7 +226,51 @@ class Relay:
                 report.expired += 1
                 finished.append((row["id"], s.EXPIRED, row["dedup_key"]))
         report.purged += self._purge(conn)
+        self._unparked = p.leases.unpark_free_keys(conn)
+        self._interrupts = self._escalations(conn)
         return finished
+
+    def _escalations(self, conn: Any) -> list[tuple[str, int, str]]:
+        """Running jobs asked to stop (preempt or cancel) that let their grace period pass
+        without a checkpoint; each is escalated once."""
+        p = self.platform
+        cutoff = db_now_plus(-p.settings.preempt_grace)
+        rows = conn.execute(
+            select(jobs.c.id, jobs.c.attempts, jobs.c.celery_task_id, jobs.c.stage)
+            .where(
+                jobs.c.status == s.RUNNING,
+                jobs.c.interrupt_sent_at.is_(None),
+                or_(jobs.c.preempt_requested_at < cutoff, jobs.c.cancel_requested_at < cutoff),
+            )
+            .limit(50)
+        ).all()
+        out = []
+        for row in rows:
+            spec = p.stages.get(row.stage)
+            if spec is not None and spec.grace is not None and spec.grace > p.settings.preempt_grace:
+                waited_enough = conn.execute(
+                    select(jobs.c.id).where(
+                        jobs.c.id == row.id,
+                        or_(
+                            jobs.c.preempt_requested_at < db_now_plus(-spec.grace),
+                            jobs.c.cancel_requested_at < db_now_plus(-spec.grace),
+                        ),
+                    )
+                ).first()
+                if waited_enough is None:
+                    continue
+            res = conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id == row.id, jobs.c.attempts == row.attempts, jobs.c.interrupt_sent_at.is_(None)
+                )
+                .values(interrupt_sent_at=db_now())
+            )
+            if res.rowcount == 1 and row.celery_task_id:
+                store_event = new_event(row.id, "job.interrupt_sent", {"attempt": row.attempts})
+                p.store.emit(conn, [store_event])
+                out.append((str(row.id), int(row.attempts), str(row.celery_task_id)))
+        return out
 
     def _purge(self, conn: Any) -> int:
         settings = self.platform.settings

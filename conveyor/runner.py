@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -15,18 +16,22 @@ import redis.exceptions
 import sqlalchemy.exc
 from celery import signature
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+from sqlalchemy import update
 
 from conveyor.broker import JOB_HEADER
 from conveyor.context import JobContext
 from conveyor.db import schema as s
 from conveyor.db.schema import jobs
 from conveyor.errors import (
+    Cancelled,
     GarbageMessage,
     Interrupted,
     LeaseLost,
     PayloadInvalid,
     PermanentError,
+    Preempted,
 )
+from conveyor.leases import CANCEL, PREEMPT, Held, format_key
 from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
 from conveyor.store import Claim, ClaimOutcome, NewJob, Row, format_traceback, new_event
 
@@ -54,27 +59,33 @@ def lease_owner() -> str:
 
 
 class Heartbeat:
-    """Renews the lease of the job this process is running, from a daemon thread."""
+    """One daemon thread per process renewing the running job's lease (and its lease key),
+    polling its stop flag, and flushing requeues that an outage delayed."""
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self._current: JobContext | None = None
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._pid = 0
         self.pending_release: dict[str, tuple[int, str]] = {}
 
+    @property
+    def current(self) -> JobContext | None:
+        """The job context this process is running now."""
+        return self._current
+
     def track(self, ctx: JobContext | None) -> None:
         """Start (or stop, with None) renewing ``ctx``'s lease."""
         self._current = ctx
-        if ctx is not None and (self._thread is None or self._pid != os.getpid()):
-            self._pid = os.getpid()
-            self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
-            self._thread.start()
+        if ctx is not None:
+            self._ensure_thread()
 
     def release_later(self, job_id: str, attempt: int, owner: str) -> None:
         """Requeue ``job_id`` without counting the attempt as soon as the database answers."""
         self.pending_release[job_id] = (attempt, owner)
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
         if self._thread is None or self._pid != os.getpid():
             self._pid = os.getpid()
             self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
@@ -87,23 +98,39 @@ class Heartbeat:
             self.pending_release.pop(job_id, None)
 
     def _loop(self) -> None:
-        interval = self.platform.settings.heartbeat_interval
+        settings = self.platform.settings
+        poll = min(settings.stop_poll_interval, settings.heartbeat_interval)
+        next_beat = time.monotonic() + settings.heartbeat_interval
         while True:
-            self._wake.wait(interval)
+            time.sleep(poll)
+            ctx = self._current
+            if ctx is not None and ctx.stop_requested is None:
+                # Read from a thread, so the escalation signal handler never does I/O.
+                ctx.stop_requested = self.platform.leases.stop_requested(ctx.job_id, ctx.attempt)
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + settings.heartbeat_interval
             if self.pending_release:
                 try:
                     self._flush_releases()
                 except Exception:  # still down; try again next beat
                     log.info("database still unreachable; %d release(s) pending", len(self.pending_release))
-            ctx = self._current
-            if ctx is None:
+            if ctx is None or ctx is not self._current:
                 continue
             try:
-                with self.platform.engine.begin() as conn:
-                    if not self.platform.store.heartbeat(conn, ctx.job_id, ctx.attempt):
-                        ctx.lease_lost = True
+                self._beat(ctx)
             except Exception:  # the database may blip; the next beat tries again
                 log.warning("heartbeat failed for job %s", ctx.job_id, exc_info=True)
+
+    def _beat(self, ctx: JobContext) -> None:
+        p = self.platform
+        with p.engine.begin() as conn:
+            if not p.store.heartbeat(conn, ctx.job_id, ctx.attempt):
+                ctx.lease_lost = True
+            if ctx.held is not None and not p.leases.renew(conn, ctx.held, ctx.job_id):
+                ctx.lease_lost = True
+        if ctx.stop_requested is None:
+            ctx.stop_requested = p.leases.stop_requested_db(ctx.job_id, ctx.attempt)
 
 
 class Runner:
@@ -112,6 +139,7 @@ class Runner:
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self.heartbeat = Heartbeat(platform)
+        self._signal_pid = 0
 
     # -- entry points -------------------------------------------------------------------
 
@@ -163,7 +191,32 @@ class Runner:
 
     # -- running ------------------------------------------------------------------------
 
+    def _install_interrupt_handler(self) -> None:
+        """SIGUSR1 in a pool child: raise Preempted/Cancelled if, and only if, the job this
+        child is running now carries a stop request for this very attempt.
+
+        billiard uses SIGUSR1 for soft time limits and installs its handler after
+        ``worker_process_init``, so ours is installed at the first job and chains to it.
+        The handler only reads memory: the stop flag is fetched by the heartbeat thread.
+        """
+        if self._signal_pid == os.getpid() or threading.current_thread() is not threading.main_thread():
+            return
+        self._signal_pid = os.getpid()
+        previous = signal.getsignal(signal.SIGUSR1)
+
+        def on_usr1(signum: int, frame: Any) -> None:
+            ctx = self.heartbeat.current
+            if ctx is not None and ctx.stop_requested == PREEMPT:
+                raise Preempted(f"job {ctx.job_id} interrupted: it did not yield its lease in time")
+            if ctx is not None and ctx.stop_requested == CANCEL:
+                raise Cancelled(f"job {ctx.job_id} interrupted after cancel()")
+            if callable(previous):
+                previous(signum, frame)
+
+        signal.signal(signal.SIGUSR1, on_usr1)
+
     def _run(self, task: StageTask, spec: StageSpec, job: Row) -> Any:
+        self._install_interrupt_handler()
         attempt = int(job["attempts"])
         ctx = JobContext(
             self.platform, job_id=job["id"], attempt=attempt, stage=spec.name, flow_id=job["flow_id"]
@@ -172,6 +225,8 @@ class Runner:
         started = time.monotonic()
         try:
             payload = spec.validate(job["payload"])
+            if spec.lease_key:
+                ctx.held = self._take_lease(ctx, spec, payload)
             result = to_jsonable(spec.fn(ctx, payload))
             ctx.checkpoint()
             self._complete(task, spec, job, ctx, result)
@@ -179,8 +234,10 @@ class Runner:
             return result
         except (Ignore, Reject):
             raise
-        except Interrupted:
-            raise  # preemption and cancellation arrive with the dedup/preemption layer
+        except Interrupted as exc:
+            ctx.close()
+            self._interrupted(spec, job, attempt, exc)
+            raise Ignore() from None
         except BaseException as exc:
             ctx.close()
             if isinstance(exc, INFRA_ERRORS) and not isinstance(exc, PermanentError):
@@ -196,6 +253,73 @@ class Runner:
         finally:
             self.heartbeat.track(None)
             ctx.close()
+            if ctx.held is not None:
+                self.platform.leases.release(ctx.held, ctx.job_id)
+
+    def _take_lease(self, ctx: JobContext, spec: StageSpec, payload: Any) -> Held:
+        """Hold the stage's lease key, preempting a lower-priority holder if allowed.
+
+        A job that cannot have the lease is parked (``waiting_lease``: no pool slot) and the
+        message is acked; only a preemptor with a request in flight waits here, woken by the
+        release, for at most the wait budget. Returns the lease held.
+        """
+        assert spec.lease_key is not None
+        p = self.platform
+        leases = p.leases
+        key = format_key(spec.lease_key, payload.model_dump(mode="json"))
+        owner = lease_owner()
+        deadline = time.monotonic() + p.settings.preempt_wait_budget
+        token = None
+        while True:
+            requested: tuple[str, int, str | None] | None = None
+            with p.engine.begin() as conn:
+                token = token or leases.next_token(conn)
+                lease = leases.try_acquire(
+                    conn,
+                    key=key,
+                    job_id=ctx.job_id,
+                    attempt=ctx.attempt,
+                    priority=spec.priority,
+                    preemptable=spec.preemptable,
+                    token=token,
+                )
+                if lease is None:
+                    conn.execute(update(jobs).where(jobs.c.id == ctx.job_id).values(lease_key=key))
+                    return Held(key, token)
+                preempting = leases.request_preemption(conn, lease, by_job=ctx.job_id, priority=spec.priority)
+                if preempting and lease["holder_job"]:
+                    holder = p.store.get(conn, lease["holder_job"])
+                    if holder is not None and holder["status"] == s.RUNNING:
+                        requested = (holder["id"], int(holder["attempts"]), holder["celery_task_id"])
+            if requested is not None:
+                leases.flag(requested[0], requested[1], PREEMPT, requested[2])
+            left = deadline - time.monotonic()
+            if not preempting or left <= 0:
+                leases.park(ctx, key, owner)
+                raise Ignore()
+            leases.wait_for_release(key, min(left, 1.0))
+
+    def _interrupted(self, spec: StageSpec, job: Row, attempt: int, exc: Interrupted) -> None:
+        """A checkpoint (or the escalation signal) stopped the body."""
+        p = self.platform
+        owner = lease_owner()
+        cancelled = isinstance(exc, Cancelled)
+        with p.engine.begin() as conn:
+            if cancelled:
+                p.store.finish(
+                    conn,
+                    job,
+                    s.CANCELLED,
+                    from_status=(s.RUNNING,),
+                    attempt=attempt,
+                    topic="job.cancelled",
+                    body={"while": "running"},
+                )
+            else:
+                p.store.release_uncounted(conn, job["id"], attempt, owner, "preempted", topic="job.preempted")
+        p.leases.clear_flag(job["id"])
+        if cancelled:
+            p.finished(job["id"], s.CANCELLED, dedup_key=job["dedup_key"])
 
     def _complete(
         self,

@@ -47,6 +47,9 @@ class ConveyorSettings(BaseSettings):
     default_soft_time_limit: float = 270.0
     stages: dict[str, StageOverride] = Field(default_factory=dict)
 
+    preempt_grace: float = Field(2.0, description="a stopped holder's time to checkpoint before escalation")
+    preempt_wait_budget: float = Field(30.0, description="longest a preemptor waits in its slot")
+    stop_poll_interval: float = Field(0.1, description="how often a running child polls its stop flag")
     dedup_cache_ttl: float = Field(300.0, description="longest a dedup holder is cached in Redis")
     retention_days: float = 7.0
     dlq_retention_days: float = 7.0

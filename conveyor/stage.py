@@ -37,6 +37,9 @@ class StageSpec:
     label: Callable[[Any], str] | None = None
     retry_on_timeout: bool = False
     dedup: Dedup | None = None
+    lease_key: str | None = None
+    preemptable: bool = False
+    grace: float | None = None
 
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""

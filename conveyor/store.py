@@ -259,7 +259,16 @@ class JobStore:
         self.emit(conn, [new_event(row["id"], "job.requeued", body)])
         return Claim(ClaimOutcome.RUN, row)
 
-    def release_uncounted(self, conn: Connection, job_id: str, attempt: int, owner: str, reason: str) -> bool:
+    def release_uncounted(
+        self,
+        conn: Connection,
+        job_id: str,
+        attempt: int,
+        owner: str,
+        reason: str,
+        *,
+        topic: str = "job.requeued",
+    ) -> bool:
         """CAS ``running → queued`` for an attempt stopped by an outage or a shutdown; the
         budget grows by one so the attempt is not counted, and the relay republishes."""
         res = conn.execute(
@@ -277,10 +286,12 @@ class JobStore:
                 lease_owner=None,
                 run_at=db_now(),
                 updated_at=db_now(),
+                preempt_requested_at=None,
+                interrupt_sent_at=None,
             )
         )
         if res.rowcount == 1:
-            self.emit(conn, [new_event(job_id, "job.requeued", {"reason": reason, "attempt": attempt})])
+            self.emit(conn, [new_event(job_id, topic, {"reason": reason, "attempt": attempt})])
         return res.rowcount == 1
 
     def _take(

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps, signals
+from celery.worker import state as worker_state
 from celery.worker.consumer import Consumer as CeleryConsumer
+from celery.worker.control import control_command
 
 from conveyor.errors import ConfigurationError
 from conveyor.relay import Relay
@@ -84,6 +88,22 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     def on_decode_error(self, message: Any, exc: Exception) -> None:
         self._garbage(message, "DecodeError", f"message body could not be decoded: {str(exc)[:300]}")
         message.ack()
+
+
+@control_command(  # type: ignore[untyped-decorator]
+    args=[("job_id", str), ("attempt", int), ("task_id", str)],
+    signature="<job_id> <attempt> <task_id>",
+)
+def conveyor_interrupt(state: Any, job_id: str, attempt: int, task_id: str) -> dict[str, str]:
+    """Escalation for a job asked to stop that reached no checkpoint: signal the pool
+    child running exactly this delivery (SIGUSR1); the child raises only if its current
+    job and attempt carry the stop request. Never ``revoke(terminate=True)``: by then the
+    process may be running another task."""
+    for request in list(worker_state.active_requests):
+        if request.id == task_id and request.worker_pid:
+            os.kill(request.worker_pid, signal.SIGUSR1)
+            return {"ok": f"signalled {request.worker_pid} for {job_id}#{attempt}"}
+    return {"ok": "not running here"}
 
 
 def install(platform: Platform) -> None:

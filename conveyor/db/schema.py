@@ -6,6 +6,7 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     FetchedValue,
     Index,
@@ -39,6 +40,7 @@ DEAD = "dead"
 CANCELLED = "cancelled"
 EXPIRED = "expired"
 SKIPPED = "skipped"
+WAITING_LEASE = "waiting_lease"  # parked until its lease key is released; holds no pool slot
 
 TERMINAL = frozenset({SUCCEEDED, DEAD, CANCELLED, EXPIRED, SKIPPED})
 CLAIMABLE = (QUEUED, RETRYING)
@@ -81,6 +83,9 @@ jobs = Table(
     Column("finished_at", Timestamp(), nullable=True),
     Column("dedup_key", String(420), nullable=True),
     Column("dedup_seq", BigInteger, nullable=True),
+    Column("lease_key", String(200), nullable=True),
+    Column("preempt_requested_at", Timestamp(), nullable=True),
+    Column("interrupt_sent_at", Timestamp(), nullable=True),
     Index(
         "ix_jobs_due",
         "run_at",
@@ -93,6 +98,7 @@ jobs = Table(
     Index("ix_jobs_flow", "flow_id"),
     Index("ix_jobs_finished", "finished_at"),
     Index("ix_jobs_celery_task", "celery_task_id"),
+    Index("ix_jobs_parked", "lease_key", "status", "priority"),
 )
 
 job_events = Table(
@@ -152,4 +158,21 @@ counters = Table(
     metadata,
     Column("name", String(50), primary_key=True),
     Column("value", BigInteger, nullable=False),
+)
+
+# One row per lease key: who holds it (job, attempt, fencing token, renewed heartbeat), and
+# which higher-priority job it is reserved for while a preemption is under way.
+leases = Table(
+    "leases",
+    metadata,
+    Column("key", String(200), primary_key=True),
+    Column("holder_job", String(36), nullable=True),
+    Column("holder_attempt", Integer, nullable=True),
+    Column("token", BigInteger, nullable=True),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("preemptable", Boolean, nullable=False, default=False),
+    Column("heartbeat_at", Timestamp(), nullable=True),
+    Column("reserved_job", String(36), nullable=True),
+    Column("reserved_priority", Integer, nullable=True),
+    Column("reserved_until", Timestamp(), nullable=True),
 )

@@ -16,7 +16,7 @@ from conveyor.context import JobContext
 from conveyor.dedup import Dedup
 from conveyor.errors import PermanentError, TransientError
 from conveyor.retry import Schedule
-from tasks.demo.logic import record_effect, square
+from tasks.demo.logic import mark, record_effect, square
 
 FAST_RETRY = Schedule((0.2, 0.5, 1.0))
 _kill_after_commit_of: set[str] = set()
@@ -126,3 +126,78 @@ def _kill_after_commit(sender: Any = None, result: Any = None, **_: Any) -> None
 def keyed(ctx: JobContext, p: Keyed) -> dict[str, Any]:
     """The effect stage with simple dedup per user."""
     return effect.spec.fn(ctx, p)  # type: ignore[no-any-return]
+
+
+class Sync(BaseModel):
+    """A long, preemptable per-user sync: loops over records, checkpointing every ``every``."""
+
+    user: str
+    note: str
+    records: int = 10_000
+    every: int = 10
+    per_record: float = 0.0
+    ignore_checkpoints_on_first_attempt: bool = False
+
+
+class Write(BaseModel):
+    """A short, high-priority per-user write that preempts a running sync."""
+
+    user: str
+    note: str
+
+
+@platform.stage(
+    "conveyor.demo.sync",
+    payload=Sync,
+    queue="demo",
+    lease_key="user:{user}",
+    priority=0,
+    preemptable=True,
+    label=lambda p: f"sync {p.user}",
+)
+def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
+    """Writes ``<note>:start:<attempt>`` when it starts and ``<note>:cleanup:<attempt>`` if
+    it is stopped (its ``finally`` runs even when interrupted by the escalation signal)."""
+    mark(
+        platform.engine,
+        job_id=ctx.job_id,
+        stage=ctx.stage,
+        attempt=ctx.attempt,
+        note=f"{p.note}:start:{ctx.attempt}",
+    )
+    ignore = p.ignore_checkpoints_on_first_attempt and ctx.attempt == 1
+    finished = False
+    try:
+        for i in range(p.records):
+            if p.per_record:
+                time.sleep(p.per_record)
+            if not ignore and i % p.every == 0:
+                ctx.checkpoint()
+        finished = True
+    finally:
+        if not finished:
+            mark(
+                platform.engine,
+                job_id=ctx.job_id,
+                stage=ctx.stage,
+                attempt=ctx.attempt,
+                note=f"{p.note}:cleanup:{ctx.attempt}",
+            )
+    record_effect(
+        ctx.connection, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=f"{p.note}:done"
+    )
+    return {"records": p.records}
+
+
+@platform.stage(
+    "conveyor.demo.write",
+    payload=Write,
+    queue="priority",
+    lease_key="user:{user}",
+    priority=10,
+    label=lambda p: f"write {p.user}",
+)
+def write(ctx: JobContext, p: Write) -> dict[str, str]:
+    """Marks ``<note>:start`` as soon as it holds the user's lease."""
+    mark(platform.engine, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=f"{p.note}:start")
+    return {"user": p.user}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, insert
+from sqlalchemy import Connection, Engine, insert
 
 from conveyor.db.dialect import db_now
 from tasks.demo.models import effects
@@ -13,6 +13,12 @@ def record_effect(conn: Connection, *, job_id: str, stage: str, attempt: int, no
     conn.execute(
         insert(effects).values(job_id=job_id, stage=stage, attempt=attempt, note=note, created_at=db_now())
     )
+
+
+def mark(engine: Engine, *, job_id: str, stage: str, attempt: int, note: str) -> None:
+    """A marker row committed on its own, visible at once (tests order events by it)."""
+    with engine.begin() as conn:
+        record_effect(conn, job_id=job_id, stage=stage, attempt=attempt, note=note)
 
 
 def square(n: int) -> int:
