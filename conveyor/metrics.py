@@ -8,7 +8,19 @@ from typing import Any
 
 from conveyor.settings import ConveyorSettings
 
-COUNTERS = ("submitted", "claimed", "skipped", "retried", "dead", "stalled", "expired", "succeeded")
+COUNTERS = (
+    "submitted",
+    "claimed",
+    "skipped",
+    "retried",
+    "dead",
+    "stalled",
+    "expired",
+    "succeeded",
+    "deduplicated",
+    "preempted",
+    "cancelled",
+)
 
 
 class Metrics:

@@ -286,6 +286,11 @@ class Platform:
         options: Mapping[str, Any],
     ) -> JobHandle:
         """``apply_async``/``delay``/canvas path: same validation and row as :meth:`submit`."""
+        if spec.preemptable and (options.get("chord") or options.get("group_id")):
+            # A preempted member would be requeued outside its group's counter.
+            raise ConfigurationError(
+                f"stage {spec.name} is preemptable and cannot be a chord or group member"
+            )
         model = spec.validate(payload_from_call(args, kwargs))
         delay = float(options.get("countdown") or 0.0)
         eta = options.get("eta")

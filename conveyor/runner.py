@@ -318,6 +318,7 @@ class Runner:
             else:
                 p.store.release_uncounted(conn, job["id"], attempt, owner, "preempted", topic="job.preempted")
         p.leases.clear_flag(job["id"])
+        p.metrics.inc("cancelled" if cancelled else "preempted", spec.name)
         if cancelled:
             p.finished(job["id"], s.CANCELLED, dedup_key=job["dedup_key"])
 

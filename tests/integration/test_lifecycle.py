@@ -176,3 +176,18 @@ def test_duplicate_delivery_of_the_same_message_has_one_effect(platform: Any, wo
     assert effect_count(platform, note=f"{tag}-a") == 1
     assert effect_count(platform, note=f"{tag}-b") == 1
     assert platform.job(flow.id).row()["attempts"] == 1
+
+
+def test_preemptable_stage_cannot_join_a_group(platform: Any) -> None:
+    from celery import group
+
+    from conveyor.errors import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="preemptable"):
+        group(demo.sync.s(user="u", note="n"), demo.sync.s(user="v", note="n")).apply_async()
+
+
+def test_cancel_returns_the_final_state_of_a_finished_job(platform: Any, worker: Any) -> None:
+    handle = platform.submit("conveyor.demo.square", {"n": 3})
+    assert handle.wait(30) == s.SUCCEEDED
+    assert handle.cancel(by="test") == s.SUCCEEDED
