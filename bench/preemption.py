@@ -18,12 +18,13 @@ One real prefork worker (2 slots, prefetch disabled by the platform's Celery con
    for it every 2 ms and takes ``time.monotonic()`` when it sees it. The figure therefore
    includes the submit call itself and up to one poll interval plus one query (~2.5 ms);
 5. cancel the holder (requeued by the preemption, or already running again) and wait until
-   both jobs are terminal before the next run.
+   both jobs are terminal before the next run (a cancel that lost a race with the holder's
+   next claim is repeated and reported on stderr).
 
 Without ``--phase`` (the default, the procedure as specified) the preemptor is submitted
 a few milliseconds after the holder's first checkpoint, so every run meets the holder at
 the same point of its ~55 ms checkpoint cycle: the figure is phase-locked (the holder
-notices the stop at its second checkpoint, ~55 ms after it started). ``--phase 55`` spreads
+notices the stop at its second checkpoint, 55-60 ms after the submit). ``--phase 55`` spreads
 the submit uniformly over one checkpoint period, which is what an arbitrary submit sees.
 
 A second, poll-free figure is logged on stderr per run from the database clock
@@ -77,6 +78,8 @@ HOLDER_POLL = 0.005
 MARKER_POLL = 0.002
 START_TIMEOUT = 60.0
 PREEMPT_TIMEOUT = 60.0
+CANCEL_WAIT = 5.0  # a cancelled holder stops at its next checkpoint (~55 ms) or at once if queued
+HOLDER_TIMEOUT = 30.0
 SYNC_PAYLOAD = {"records": 100_000, "every": 10, "per_record": 0.005}
 WORKER_ENV = {"CONVEYOR_PREEMPT_GRACE": "2"}
 
@@ -116,6 +119,8 @@ class PreemptionBench:
     platform: Platform
     home: Path
     phase_ms: float = 0.0
+    recancels: int = 0
+    escalations: int = 0
     worker: subprocess.Popen[bytes] | None = None
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
 
@@ -199,6 +204,37 @@ class PreemptionBench:
                 .limit(1)
             ).scalar_one_or_none()
 
+    def stop_holder(self, job_id: str, index: int) -> tuple[str, str]:
+        """Cancel the holder and wait until it is terminal; (what cancel() said, final status).
+
+        ``Platform.cancel`` reads the row unlocked and then runs a conditional update; when a
+        concurrent transition wins (the preempted holder's requeue, or its next claim) the
+        update matches nothing, nothing is recorded, and it still returns ``running``. A
+        holder still running after :data:`CANCEL_WAIT` is therefore cancelled again (counted
+        in :attr:`recancels` and logged).
+        """
+        handle = self.platform.job(job_id)
+        deadline = time.monotonic() + HOLDER_TIMEOUT
+        first: str | None = None
+        while True:
+            said = self.platform.cancel(job_id, by="bench", reason="next run")
+            first = first or said
+            try:
+                return first, handle.wait(CANCEL_WAIT)
+            except TimeoutError:
+                self.check_worker()
+                if time.monotonic() > deadline:
+                    raise BenchError(f"run {index}: holder not terminal; {self.describe(job_id)}") from None
+                self.recancels += 1
+                log(f"  run {index}: cancel() said {said!r} but the holder kept running; cancelling again")
+
+    def describe(self, job_id: str) -> str:
+        """A job's status, attempt and event topics, for a failure message."""
+        handle = self.platform.job(job_id)
+        row = handle.row()
+        topics = [e.topic for e in handle.events()[0]]
+        return f"job {job_id}: {row['status']} attempt {row['attempts']}, events {topics}"
+
     # -- one run ---------------------------------------------------------------------
 
     def run_once(self, index: int) -> Run:
@@ -218,14 +254,22 @@ class PreemptionBench:
         marker = self.wait_marker(f"{wnote}:start", MARKER_POLL, PREEMPT_TIMEOUT)
         seen = time.monotonic()
 
-        status = p.cancel(holder.id, by="bench", reason="next run")
-        holder_status = holder.wait(30)
-        if preemptor.wait(30) != "succeeded":
-            raise BenchError(f"preemptor {preemptor.id} ended {preemptor.status()}")
+        status, holder_status = self.stop_holder(holder.id, index)
+        try:
+            preemptor_status = preemptor.wait(30)
+        except TimeoutError as exc:
+            self.check_worker()
+            raise BenchError(f"run {index}: {exc}; {self.describe(preemptor.id)}") from None
+        if preemptor_status != "succeeded":
+            raise BenchError(f"preemptor {preemptor.id} ended {preemptor_status}")
         row = preemptor.row()
         created: dt.datetime = row["created_at"]
         cleanup = self.marker_at(f"{note}:cleanup:1")
         released = self.event_at(holder.id, "job.preempted")
+        if released is None:
+            raise BenchError(f"run {index}: the holder was never preempted; {self.describe(holder.id)}")
+        if self.event_at(holder.id, "job.interrupt_sent") is not None:
+            self.escalations += 1  # it missed its checkpoints for the whole grace period
 
         def ms(at: dt.datetime | None) -> float | None:
             return None if at is None else (at - created).total_seconds() * 1000
@@ -335,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for i in range(args.runs):
             runs.append(bench.run_once(i))
         summarize(runs)
+        log(f"holders interrupted by the grace-period escalation: {bench.escalations}")
+        if bench.recancels:
+            log(f"holders that ignored a first cancel() (cancel/claim race): {bench.recancels}")
     except BenchError as exc:
         log(f"benchmark failed: {exc} (logs kept in {home / 'logs'})")
         return 1

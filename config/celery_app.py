@@ -12,7 +12,8 @@ from conveyor.platform import Platform
 from conveyor.services import attach
 from conveyor.worker import install
 
-TASK_MODULES = ["tasks.demo"]
+TASK_MODULES = ["tasks.demo", "tasks.files.stages"]
+CLI_EXTENSIONS = {"files": "tasks.files.cli:app"}
 
 settings = get_settings()
 _found = attach(settings)

@@ -9,7 +9,7 @@ from sqlalchemy import Engine
 from conveyor.db.migrate import upgrade as platform_upgrade
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_MIGRATIONS = [ROOT / "tasks" / "demo" / "migrations"]
+FAMILY_MIGRATIONS = [ROOT / "tasks" / "demo" / "migrations", ROOT / "tasks" / "files" / "migrations"]
 
 
 def upgrade(engine: Engine) -> None:

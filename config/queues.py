@@ -11,6 +11,7 @@ QUEUES = [
     Queue("priority", EXCHANGE, routing_key="priority"),
     Queue("default", EXCHANGE, routing_key="default"),
     Queue("demo", EXCHANGE, routing_key="demo"),
+    Queue("files", EXCHANGE, routing_key="files"),
 ]
 
 DEFAULT_QUEUE = "default"

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel
 
 from conveyor.settings import ConveyorSettings
+from tasks.files.storage import S3Settings
+
+
+class FilesSettings(BaseModel):
+    """The files family (``CONVEYOR_FILES`` as JSON, e.g. ``{"max_pages": 200}``)."""
+
+    storage_dir: Path | None = None  # default: <home>/files
+    s3: S3Settings | None = None  # an S3-compatible bucket; unset: the local directory
+    max_bytes: int = 25 * 1024 * 1024
+    max_pages: int = 500
+    embedder: str = "hashing-v1"
+    chunk_tokens: int = 200
+    chunk_overlap: int = 40
+    extract_soft_time_limit: float = 60.0
 
 
 class Settings(ConveyorSettings):
     """All settings (env prefix ``CONVEYOR_``)."""
+
+    files: FilesSettings = FilesSettings()
+
+    def files_storage_dir(self) -> Path:
+        """Where local file contents live."""
+        path = self.files.storage_dir or (self.resolved_home() / "files")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
 
 @lru_cache(maxsize=1)

@@ -60,6 +60,11 @@ def _migrate(platform: Any) -> None:
     upgrade(platform.engine)
 
 
+def run_command(fn: Callable[[], int | None]) -> None:
+    """Run a command body: ConveyorErrors become a clear message and exit code 2."""
+    _run(fn)
+
+
 def _run(fn: Callable[[], int | None]) -> None:
     try:
         code = fn() or 0
@@ -463,8 +468,19 @@ def demo(
     _run(main)
 
 
+def _load_extensions() -> None:
+    """Sub-commands a deployment adds (``CLI_EXTENSIONS`` in its app module)."""
+    try:
+        module = importlib.import_module(ConveyorSettings().app)
+    except Exception:  # the platform commands must work even if the deployment is broken
+        return
+    for name, path in getattr(module, "CLI_EXTENSIONS", {}).items():
+        cli.add_typer(_import(path), name=name)
+
+
 def main() -> None:
     """Console entry point."""
+    _load_extensions()
     cli()
 
 

@@ -15,6 +15,8 @@
      ├── Interrupted               the job stops early at a checkpoint; not a failure
      │    ├── Preempted            a higher-priority job needs the lease: requeued, no attempt
      │    └── Cancelled            cancel() was called: the job ends ``cancelled``
+     ├── SkipJob                   the body found nothing to do (e.g. its record moved on): the
+     │                             job ends ``skipped`` with a result, and the flow continues
      ├── ConfigurationError        a stage or setting that cannot work (e.g. hard time limit
      │                             not below the visibility timeout); raised at start-up
      └── NotRunning                a command needs ``conveyor up`` (or URLs) and found neither
@@ -65,6 +67,15 @@ class Preempted(Interrupted):
 
 class Cancelled(Interrupted):
     """The job was cancelled by a user or the platform."""
+
+
+class SkipJob(ConveyorError):
+    """Raised by a stage body: end this job ``skipped`` (not failed) and pass ``result`` on."""
+
+    def __init__(self, reason: str, result: object = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.result = result
 
 
 class ConfigurationError(ConveyorError):

@@ -147,8 +147,10 @@ class Leases:
                     .values(holder_job=None, holder_attempt=None, token=None, heartbeat_at=None)
                 )
                 unparked = self._unpark_best(conn, held.key)
-            p.redis.rpush(self._wake(held.key), job_id)
-            p.redis.expire(self._wake(held.key), 60)
+            pipe = p.redis.pipeline(transaction=False)
+            pipe.rpush(self._wake(held.key), job_id)
+            pipe.expire(self._wake(held.key), 60)
+            pipe.execute()
         except Exception:  # the lease expires on its own; parked jobs are found by the reconciler
             log.warning("could not release lease %s of %s", held.key, job_id, exc_info=True)
             return

@@ -66,6 +66,8 @@ class Platform:
         self.metrics = Metrics(settings)
         self.deduper = Deduplicator(settings, lambda: self.redis)
         self.leases = Leases(self)
+        self._local = threading.local()
+        self.background: list[Any] = []  # relay threads started in this process
         self._engine: Engine | None = None
         self._redis: Redis | None = None
         self._broker: Broker | None = None
@@ -80,6 +82,12 @@ class Platform:
         self.settings = self.settings.with_urls(redis_url, database_url)
         self.app.conf.update(broker_url=redis_url, result_backend=redis_url)
         self.reset()
+
+    def stop_background(self) -> None:
+        """Stop relay threads this process started (tests; the worker stops its own)."""
+        for thread in self.background:
+            thread.stop()
+        self.background.clear()
 
     def reset(self) -> None:
         """Forget connections (after fork, or after :meth:`bind`)."""
@@ -158,6 +166,7 @@ class Platform:
         lease_key: str | None = None,
         preemptable: bool = False,
         grace: float | None = None,
+        on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
     ) -> Callable[[Callable[..., Any]], StageTask]:
         """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``.
 
@@ -171,10 +180,9 @@ class Platform:
             raise ConfigurationError(f"stage {name}: queue {queue!r} is not declared in config")
         override = self.settings.stage_override(name)
         hard = override.time_limit or time_limit or self.settings.default_time_limit
-        soft = (
-            override.soft_time_limit
-            or soft_time_limit
-            or min(self.settings.default_soft_time_limit, hard * 0.9)
+        # The soft limit must fire before the hard one, whatever was declared.
+        soft = min(
+            override.soft_time_limit or soft_time_limit or self.settings.default_soft_time_limit, hard * 0.9
         )
         if hard >= self.settings.visibility_timeout:
             raise ConfigurationError(
@@ -200,6 +208,7 @@ class Platform:
                 lease_key=lease_key,
                 preemptable=preemptable,
                 grace=grace,
+                on_dead=on_dead,
             )
             self.stages[name] = spec
             task = self.app.task(
@@ -323,7 +332,19 @@ class Platform:
         )
         if isinstance(new.queue, Queue):
             new.queue = new.queue.name
-        return self._enqueue(new, session=None, plan=self.dedup_plan(spec, model, None, "never"))
+        session = getattr(self._local, "session", None)
+        return self._enqueue(new, session=session, plan=self.dedup_plan(spec, model, None, "never"))
+
+    @contextmanager
+    def enlisted(self, session: Session) -> Iterator[Session]:
+        """Make ``delay()``/``apply_async()``/canvases inside the block join ``session``:
+        their jobs commit with the caller's own changes and are published after commit."""
+        previous = getattr(self._local, "session", None)
+        self._local.session = session
+        try:
+            yield session
+        finally:
+            self._local.session = previous
 
     def dedup_plan(
         self, spec: StageSpec, model: BaseModel, override: Dedup | Literal[False] | None, reuse: Reuse
@@ -416,13 +437,14 @@ class Platform:
                     )
                 except Exception:  # the cache is only a fast path; Postgres stays right
                     log.warning("could not cache dedup holder %s", new.id, exc_info=True)
-            if created and new.delay <= 0:
-                self.publish_new(new)
             if created and spec is not None and spec.lease_key:
+                # Before the publish: the holder starts yielding while the message travels.
                 try:
                     self._request_preemption_for(new.id, spec, new.payload)
                 except Exception:  # the claim asks again
                     log.warning("submit-time preemption request for %s failed", new.id, exc_info=True)
+            if created and new.delay <= 0:
+                self.publish_new(new)
 
         if session is None:
             after_commit()
@@ -555,7 +577,13 @@ class Platform:
         """
         stop: tuple[int, str | None] | None = None
         with self.engine.begin() as conn:
-            row = self.store.get(conn, job_id)
+            # Locked: a claim or requeue committing between our read and write would make the
+            # compare-and-set miss and the cancel vanish.
+            row = (
+                conn.execute(select(jobs).where(jobs.c.id == job_id).with_for_update())
+                .mappings()
+                .one_or_none()
+            )
             if row is None:
                 raise LookupError(f"job {job_id} not found")
             status = str(row["status"])

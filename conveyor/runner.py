@@ -30,6 +30,7 @@ from conveyor.errors import (
     PayloadInvalid,
     PermanentError,
     Preempted,
+    SkipJob,
 )
 from conveyor.leases import CANCEL, PREEMPT, Held, format_key
 from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
@@ -234,8 +235,17 @@ class Runner:
             return result
         except (Ignore, Reject):
             raise
+        except SkipJob as skip:
+            result = to_jsonable(skip.result)
+            self._complete(task, spec, job, ctx, result, skipped=skip.reason)
+            return result
         except Interrupted as exc:
             ctx.close()
+            if ctx.held is not None:
+                # Hand the lease over first: the preemptor waiting for it should not wait
+                # for this job's requeue transaction too (it is reserved for the preemptor).
+                self.platform.leases.release(ctx.held, ctx.job_id)
+                ctx.held = None
             self._interrupted(spec, job, attempt, exc)
             raise Ignore() from None
         except BaseException as exc:
@@ -248,7 +258,9 @@ class Runner:
                 self._release_uncounted(job["id"], attempt)
                 time.sleep(self.platform.settings.infra_backoff)
                 raise Reject(exc, requeue=True) from None
-            self._fail(spec, job, attempt, exc)
+            carried_on = self._fail(task, spec, job, attempt, exc)
+            if carried_on is not None:
+                return carried_on[0]
             raise
         finally:
             self.heartbeat.track(None)
@@ -329,11 +341,14 @@ class Runner:
         job: Row,
         ctx: JobContext,
         result: Any,
+        skipped: str | None = None,
     ) -> None:
-        """Commit the stage's writes, its ``succeeded`` CAS, its events and its continuation."""
+        """Commit the stage's writes, its ``succeeded`` (or ``skipped``) CAS, its events and
+        its continuation, in one transaction."""
         store = self.platform.store
         conn = ctx.take_connection()
-        if conn is None and not ctx.events and not task.request.chain and not task.request.callbacks:
+        simple = skipped is None and not ctx.events and not task.request.chain and not task.request.callbacks
+        if conn is None and simple:
             # Nothing but the completion itself to commit: one statement, autocommit.
             with self.platform.autocommit() as ac:
                 if not store.succeed_with_event(ac, job["id"], int(job["attempts"]), result, spec.name):
@@ -347,7 +362,21 @@ class Runner:
             conn.begin()
         continuation: list[NewJob] = []
         try:
-            if not store.succeed_with_event(conn, job["id"], int(job["attempts"]), result, spec.name):
+            if skipped is not None:
+                ok = store.finish(
+                    conn,
+                    job,
+                    s.SKIPPED,
+                    from_status=(s.RUNNING,),
+                    attempt=int(job["attempts"]),
+                    topic="job.skipped",
+                    body={"reason": skipped},
+                )
+                if ok:
+                    conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(result=result))
+            else:
+                ok = store.succeed_with_event(conn, job["id"], int(job["attempts"]), result, spec.name)
+            if not ok:
                 raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
             store.emit(conn, ctx.events)
             continuation = self._take_over_continuation(conn, task, job, result)
@@ -424,9 +453,17 @@ class Runner:
 
     # -- failure ------------------------------------------------------------------------
 
-    def _fail(self, spec: StageSpec, job: Row, attempt: int, exc: BaseException) -> None:
-        """Retry with backoff, or dead-letter: decided by the error class and the budget."""
+    def _fail(
+        self, task: StageTask, spec: StageSpec, job: Row, attempt: int, exc: BaseException
+    ) -> tuple[Any] | None:
+        """Retry with backoff, or dead-letter: decided by the error class and the budget.
+
+        A stage with ``on_dead`` is dead-lettered *and* carries on: the hook's result goes
+        down the flow (returned here as a 1-tuple), so a chord never waits on a dead member.
+        """
         store = self.platform.store
+        carried: tuple[Any] | None = None
+        continuation: list[NewJob] = []
         permanent = isinstance(exc, PermanentError)
         timed_out = isinstance(exc, SoftTimeLimitExceeded)
         if timed_out and not spec.retry_on_timeout:
@@ -438,14 +475,20 @@ class Runner:
                     message = _readable(
                         exc, spec, attempt, int(job["max_attempts"]), exhausted and not permanent
                     )
-                    store.dead_letter(
+                    if not store.dead_letter(
                         conn,
                         job,
                         error_type=type(exc).__name__,
                         message=message,
                         tb_text=format_traceback(exc),
                         attempt=attempt,
-                    )
+                    ):
+                        raise LeaseLost(f"job {job['id']} attempt {attempt} was taken over")
+                    if spec.on_dead is not None:
+                        result = to_jsonable(spec.on_dead(conn, job["payload"], exc))
+                        conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(result=result))
+                        continuation = self._take_over_continuation(conn, task, job, result)
+                        carried = (result,)
                     status = s.DEAD
                 else:
                     settings = self.platform.settings
@@ -475,7 +518,10 @@ class Runner:
             raise Reject(exc, requeue=True) from None
         if status == s.DEAD:
             self.platform.metrics.inc("dead", spec.name)
+            for new in continuation:
+                self.platform.publish_new(new)
             self.platform.finished(job["id"], s.DEAD, dedup_key=job["dedup_key"])
+            return carried
         else:
             self.platform.metrics.inc("retried", spec.name)
             # The relay republishes when due; Celery must not retry or store a failure.

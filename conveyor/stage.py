@@ -40,6 +40,9 @@ class StageSpec:
     lease_key: str | None = None
     preemptable: bool = False
     grace: float | None = None
+    # Called in the dead-letter transaction (connection, payload, error); its return value
+    # goes on down the flow instead of the error, so a chord never waits on a dead member.
+    on_dead: Callable[[Any, Any, BaseException], Any] | None = None
 
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""

@@ -47,6 +47,7 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.platform.broker.epoch(max_age=0)
         self.relay = Relay(self.platform)
         self.relay.start()
+        self.platform.background.append(self.relay)
 
     def stop(self, worker: Any) -> None:
         if self.relay is not None:

@@ -130,12 +130,53 @@ def check(platform: Platform, plan: Plan, rows: dict[str, Any]) -> list[tuple[st
     return results
 
 
+SAMPLE_DOCUMENTS = {
+    "beekeeping.md": "# Beekeeping\n\nBeekeepers inspect the **brood frames** weekly, checking the queen, "
+    "honey stores and varroa mites before the summer nectar flow.",
+    "lighthouse.html": "<html><body><h1>Lighthouse</h1><p>The keeper trimmed the wick and polished the "
+    "Fresnel lens while the foghorn sounded.</p><script>ignored()</script></body></html>",
+    "sourdough.txt": "A sourdough starter of rye flour ferments for days; wild yeast leavens the dough.",
+    "broken.pdf": "%PDF-1.7\n this is not really a PDF",
+}
+
+
+def files_check(platform: Platform) -> list[tuple[str, bool, str]]:
+    """A batch of sample documents end to end: one is corrupt and must fail, not block."""
+    from pipelines.files import Upload, process_batch, search
+    from tasks.files.models import batches
+
+    owner = f"demo-{uuid.uuid4().hex[:6]}"
+    batch_id = process_batch(platform, owner, [Upload(n, t.encode()) for n, t in SAMPLE_DOCUMENTS.items()])
+    deadline = time.monotonic() + 120
+    batch: Any = None
+    while time.monotonic() < deadline:
+        with platform.engine.connect() as conn:
+            batch = conn.execute(select(batches).where(batches.c.id == batch_id)).mappings().one()
+        if batch["status"] == "completed":
+            break
+        time.sleep(0.25)
+    assert batch is not None
+    hits = search(platform, "queen brood varroa honey", owner=owner)
+    return [
+        (
+            "document batch completed (3 ready, the corrupt PDF failed)",
+            batch["status"] == "completed" and (batch["ready"], batch["failed"]) == (3, 1),
+            f"total={batch['total']} ready={batch['ready']} failed={batch['failed']}",
+        ),
+        (
+            "search finds the beekeeping notes",
+            bool(hits) and hits[0].name == "beekeeping.md",
+            hits[0].name if hits else "-",
+        ),
+    ]
+
+
 def self_check(platform: Platform, console: Console, *, jobs: int = 300) -> bool:
     """Run the self-check end to end; print a report; True when every assertion holds."""
     started = time.monotonic()
     plan = submit_mix(platform, jobs=jobs)
     rows = wait_terminal(platform, plan.all(), console)
-    results = check(platform, plan, rows)
+    results = check(platform, plan, rows) + files_check(platform)
     for what, ok, detail in results:
         console.print(f"{'[green]✓' if ok else '[red]✗'}[/] {what}  [dim]{detail}[/dim]")
     passed = all(ok for _, ok, _ in results)

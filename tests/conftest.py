@@ -114,6 +114,7 @@ def worker(platform: Any) -> Iterator[Any]:
         queues=[q.name for q in platform.queues],
     ) as w:
         yield w
+    platform.stop_background()
 
 
 @pytest.fixture

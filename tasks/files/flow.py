@@ -1,0 +1,137 @@
+"""The file state machine and batch accounting, as SQL on the caller's connection.
+
+Every transition is a compare-and-set on the file's status. A file's terminal transition
+(ready, failed, cancelled) increments its batch's counters in the same transaction, and
+the transaction that makes ``sealed AND terminal = total`` flips the batch to
+``completed`` by compare-and-set: ``batch.completed`` is written exactly once, whatever
+the chord does. The chord callback and the reconciler only call :func:`try_complete`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+from sqlalchemy.engine import RowMapping
+
+from conveyor.db.dialect import db_now
+from tasks.files.models import CANCELLED, FAILED, READY, TERMINAL, batches, files
+
+Emit = Callable[[str, Mapping[str, Any]], None]
+
+
+def get_file(conn: Connection, file_id: str) -> RowMapping | None:
+    """One file row."""
+    return conn.execute(select(files).where(files.c.id == file_id)).mappings().one_or_none()
+
+
+def transition(
+    conn: Connection, file_id: str, from_status: Iterable[str], to: str, emit: Emit, **values: Any
+) -> RowMapping | None:
+    """CAS ``from_status → to`` (plus ``values``); emits ``file.status_changed``.
+
+    Returns the file as it was before, or None when the file was not in ``from_status``.
+    A terminal ``to`` counts the file in its batch, in this same transaction.
+    """
+    before = (
+        conn.execute(
+            select(files)
+            .where(files.c.id == file_id, files.c.status.in_(list(from_status)))
+            .with_for_update()
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if before is None:
+        return None
+    res = conn.execute(
+        update(files)
+        .where(files.c.id == file_id, files.c.status == before["status"])
+        .values(status=to, updated_at=db_now(), **values)
+    )
+    if res.rowcount != 1:
+        return None
+    emit(
+        "file.status_changed",
+        {
+            "file_id": file_id,
+            "from": before["status"],
+            "to": to,
+            "batch_id": before["batch_id"],
+            "error": values.get("error"),
+            "chunk_count": values.get("chunk_count", before["chunk_count"]),
+        },
+    )
+    if to in TERMINAL and before["batch_id"]:
+        count_terminal(conn, before["batch_id"], to, emit)
+    return before
+
+
+def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) -> None:
+    """One more terminal file in ``batch_id``; completes the batch if that was the last."""
+    column = {READY: batches.c.ready, FAILED: batches.c.failed, CANCELLED: batches.c.cancelled}[outcome]
+    row = (
+        conn.execute(
+            update(batches)
+            .where(batches.c.id == batch_id)
+            .values({batches.c.terminal: batches.c.terminal + 1, column: column + 1})
+            .returning(
+                batches.c.terminal, batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled
+            )
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if row is None:
+        return
+    emit("batch.progress", {"batch_id": batch_id, **dict(row)})
+    try_complete(conn, batch_id, emit)
+
+
+def recount_after_retry(conn: Connection, batch_id: str, was: str, now: str, emit: Emit) -> None:
+    """A terminal file changed its outcome (a DLQ retry turned failed into ready)."""
+    old = {READY: batches.c.ready, FAILED: batches.c.failed, CANCELLED: batches.c.cancelled}[was]
+    new = {READY: batches.c.ready, FAILED: batches.c.failed, CANCELLED: batches.c.cancelled}[now]
+    row = (
+        conn.execute(
+            update(batches)
+            .where(batches.c.id == batch_id)
+            .values({old: old - 1, new: new + 1})
+            .returning(
+                batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled, batches.c.status
+            )
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if row is not None:
+        emit("batch.summary_changed", {"batch_id": batch_id, **dict(row)})
+
+
+def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
+    """Flip the batch to ``completed`` if sealed and every file is terminal; idempotent."""
+    row = (
+        conn.execute(
+            update(batches)
+            .where(
+                batches.c.id == batch_id,
+                batches.c.sealed.is_(True),
+                batches.c.terminal >= batches.c.total,
+                batches.c.status != "completed",
+            )
+            .values(status="completed", completed_at=db_now())
+            .returning(batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled)
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if row is None:
+        return False
+    emit("batch.completed", {"batch_id": batch_id, **dict(row)})
+    return True
+
+
+def batch_summary(conn: Connection, batch_id: str) -> RowMapping | None:
+    """The batch row."""
+    return conn.execute(select(batches).where(batches.c.id == batch_id)).mappings().one_or_none()

@@ -1,0 +1,86 @@
+"""Tables of the files family: batches, files, chunks (with their vectors)."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Column,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+from conveyor.db.dialect import Timestamp
+from conveyor.db.schema import BigId
+
+metadata = MetaData()
+
+# File states. ready/failed/cancelled are terminal and counted once in their batch.
+UPLOADED = "uploaded"
+QUEUED = "queued"
+EXTRACTING = "extracting"
+CHUNKING = "chunking"
+EMBEDDING = "embedding"
+READY = "ready"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TERMINAL = (READY, FAILED, CANCELLED)
+
+batches = Table(
+    "file_batches",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("owner", String(200), nullable=False),
+    Column("sealed", Boolean, nullable=False, default=False),
+    Column("total", Integer, nullable=False, default=0),
+    Column("terminal", Integer, nullable=False, default=0),
+    Column("ready", Integer, nullable=False, default=0),
+    Column("failed", Integer, nullable=False, default=0),
+    Column("cancelled", Integer, nullable=False, default=0),
+    Column("status", String(20), nullable=False),  # open | processing | completed
+    Column("created_at", Timestamp(), nullable=False),
+    Column("completed_at", Timestamp(), nullable=True),
+)
+
+files = Table(
+    "files",
+    metadata,
+    Column("id", String(36), primary_key=True),
+    Column("owner", String(200), nullable=False),
+    Column("batch_id", String(36), nullable=True),
+    Column("name", String(500), nullable=False),
+    Column("size", BigInteger, nullable=False),
+    Column("content_ref", String(1000), nullable=False),
+    Column("checksum", String(64), nullable=False),
+    Column("mime", String(200), nullable=True),
+    Column("status", String(20), nullable=False),
+    Column("pages", Integer, nullable=True),
+    Column("text", Text, nullable=True),
+    Column("chunk_count", Integer, nullable=True),
+    Column("error_type", String(200), nullable=True),
+    Column("error", Text, nullable=True),
+    Column("failed_stage", String(50), nullable=True),
+    Column("created_at", Timestamp(), nullable=False),
+    Column("updated_at", Timestamp(), nullable=False),
+    Index("ix_files_batch", "batch_id", "status"),
+    Index("ix_files_owner", "owner"),
+)
+
+chunks = Table(
+    "file_chunks",
+    metadata,
+    Column("id", BigId, primary_key=True, autoincrement=True),
+    Column("file_id", String(36), nullable=False),
+    Column("owner", String(200), nullable=False),
+    Column("ordinal", Integer, nullable=False),
+    Column("text", Text, nullable=False),
+    Column("embedding", LargeBinary, nullable=True),
+    Column("model", String(50), nullable=True),
+    Index("ix_file_chunks_file", "file_id", "ordinal"),
+    Index("ix_file_chunks_owner", "owner"),
+)

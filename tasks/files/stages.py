@@ -1,0 +1,241 @@
+"""Stages of the files family: extract → chunk → embed per file, then complete_batch.
+
+Each stage is thin: load the file by id, call the pure functions beside it, and move the
+file to its next state in the job's own transaction. A stage that finds its file in an
+unexpected state ends its job ``skipped`` (recording what it found) and passes the file
+on. A file that fails for good is recorded ``failed`` with its DLQ entry, and the stage
+*returns* a failed marker that later stages pass through: nothing raises out of a chord
+header, so a failed file never blocks its batch.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import Connection, delete, insert, select, update
+
+from config.celery_app import platform
+from config.settings import Settings, get_settings
+from conveyor.context import JobContext
+from conveyor.errors import SkipJob
+from conveyor.retry import Backoff
+from conveyor.store import new_event
+from tasks.files import flow
+from tasks.files.chunking import chunk_text
+from tasks.files.embedding import Embedder, load_embedder, pack
+from tasks.files.extract import Limits, extract
+from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, QUEUED, READY, TERMINAL, chunks
+from tasks.files.storage import Storage, storage_for
+
+QUEUE = "files"
+RETRY = Backoff(base=1.0, cap=30.0)
+ATTEMPTS = 4  # the first try and 3 retries, delays in Postgres
+
+
+class FileRef(BaseModel):
+    """What flows from stage to stage: the file id and, once it failed, a marker."""
+
+    model_config = ConfigDict(extra="ignore")
+    file_id: str
+    name: str | None = None  # only for people: the job label in lists and the DLQ
+    failed: bool = False
+
+
+class BatchRef(BaseModel):
+    """The chord body's input: the batch id and the header's results."""
+
+    model_config = ConfigDict(extra="ignore")
+    batch_id: str
+    results: list[Any] = []
+
+
+def _settings() -> Settings:
+    settings = platform.settings
+    return settings if isinstance(settings, Settings) else get_settings()
+
+
+@cache
+def _embedder(name: str) -> Embedder:
+    return load_embedder(name)
+
+
+def _storage(ref: str) -> Storage:
+    settings = _settings()
+    return storage_for(ref, local_root=settings.files_storage_dir(), s3=settings.files.s3)
+
+
+def _emitter(ctx: JobContext) -> flow.Emit:
+    return lambda topic, body: ctx.emit(topic, dict(body))
+
+
+def _label(p: FileRef) -> str:
+    return p.name or p.file_id
+
+
+def _on_dead(stage: str) -> Any:
+    """Record the file ``failed`` (counted in its batch) in the dead-letter transaction."""
+
+    def hook(conn: Connection, payload: Any, error: BaseException) -> dict[str, Any]:
+        file_id = str((payload or {}).get("file_id", ""))
+        message = (str(error).strip() or type(error).__name__)[:500]
+
+        def emit(topic: str, body: Any) -> None:
+            platform.store.emit(conn, [new_event(None, topic, dict(body))])
+
+        flow.transition(
+            conn,
+            file_id,
+            [QUEUED, EXTRACTING, CHUNKING, EMBEDDING],
+            FAILED,
+            emit,
+            error=message,
+            error_type=type(error).__name__,
+            failed_stage=stage,
+        )
+        return {"file_id": file_id, "name": (payload or {}).get("name"), "failed": True, "error": message}
+
+    return hook
+
+
+def _begin(p: FileRef, accept_from: tuple[str, ...], working: str) -> None:
+    """Enter the stage: pass failed files on, skip files found in an unexpected state.
+
+    ``working`` is the stage's own state (a retry finds the file there); ``accept_from``
+    are the states the stage may move the file out of (extract: ``queued``).
+    """
+    if p.failed:
+        raise SkipJob("file already failed", p.model_dump())
+    with platform.engine.begin() as conn:
+        row = flow.get_file(conn, p.file_id)
+        found = str(row["status"]) if row is not None else "missing"
+        if found == working:
+            return
+        if found in accept_from and flow.transition(conn, p.file_id, [found], working, _db_emit(conn)):
+            return
+    failed = found in TERMINAL and found != READY
+    raise SkipJob(f"file found {found}", {"file_id": p.file_id, "name": p.name, "failed": failed})
+
+
+def _db_emit(conn: Connection) -> flow.Emit:
+    return lambda topic, body: platform.store.emit(conn, [new_event(None, topic, dict(body))])
+
+
+@platform.stage(
+    "conveyor.files.extract",
+    payload=FileRef,
+    queue=QUEUE,
+    retry=RETRY,
+    max_attempts=ATTEMPTS,
+    soft_time_limit=get_settings().files.extract_soft_time_limit,
+    label=_label,
+    on_dead=_on_dead("extract"),
+)
+def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
+    """Read the content by reference and extract its text (PDF, DOCX, HTML, Markdown, text)."""
+    _begin(p, (QUEUED,), EXTRACTING)
+    row = flow.get_file(ctx.connection, p.file_id)
+    assert row is not None
+    limits = Limits(max_bytes=_settings().files.max_bytes, max_pages=_settings().files.max_pages)
+    result = extract(_storage(row["content_ref"]).get(row["content_ref"]), name=row["name"], limits=limits)
+    flow.transition(
+        ctx.connection,
+        p.file_id,
+        [EXTRACTING],
+        CHUNKING,
+        _emitter(ctx),
+        text=result.text,
+        mime=result.mime,
+        pages=result.pages,
+    )
+    return {"file_id": p.file_id, "name": p.name}
+
+
+@platform.stage(
+    "conveyor.files.chunk",
+    payload=FileRef,
+    queue=QUEUE,
+    retry=RETRY,
+    max_attempts=ATTEMPTS,
+    label=_label,
+    on_dead=_on_dead("chunk"),
+)
+def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
+    """Split the text into overlapping, token-bounded chunks."""
+    _begin(p, (), CHUNKING)
+    conn = ctx.connection
+    row = flow.get_file(conn, p.file_id)
+    assert row is not None
+    settings = _settings().files
+    pieces = chunk_text(row["text"] or "", max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap)
+    conn.execute(delete(chunks).where(chunks.c.file_id == p.file_id))  # a rerun replaces, never duplicates
+    if pieces:
+        conn.execute(
+            insert(chunks),
+            [
+                {"file_id": p.file_id, "owner": row["owner"], "ordinal": c.ordinal, "text": c.text}
+                for c in pieces
+            ],
+        )
+    flow.transition(conn, p.file_id, [CHUNKING], EMBEDDING, _emitter(ctx), chunk_count=len(pieces))
+    return {"file_id": p.file_id, "name": p.name}
+
+
+@platform.stage(
+    "conveyor.files.embed",
+    payload=FileRef,
+    queue=QUEUE,
+    retry=RETRY,
+    max_attempts=ATTEMPTS,
+    label=_label,
+    on_dead=_on_dead("embed"),
+)
+def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
+    """Embed every chunk and mark the file ``ready`` (counted in its batch)."""
+    _begin(p, (), EMBEDDING)
+    conn = ctx.connection
+    rows = conn.execute(
+        select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == p.file_id).order_by(chunks.c.ordinal)
+    ).all()
+    embedder = _embedder(_settings().files.embedder)
+    vectors = embedder.embed([r.text for r in rows]) if rows else []
+    for r, v in zip(rows, vectors, strict=True):
+        conn.execute(update(chunks).where(chunks.c.id == r.id).values(embedding=pack(v), model=embedder.name))
+    before = flow.transition(conn, p.file_id, [EMBEDDING], READY, _emitter(ctx))
+    if before is None:
+        raise SkipJob("file left embedding meanwhile", {"file_id": p.file_id, "name": p.name})
+    return {"file_id": p.file_id, "name": p.name}
+
+
+@platform.stage("conveyor.files.complete_batch", payload=BatchRef, queue=QUEUE, label=lambda p: p.batch_id)
+def complete_batch(ctx: JobContext, p: BatchRef) -> dict[str, Any]:
+    """The chord body: only asks Postgres whether the batch is complete (idempotent)."""
+    flow.try_complete(ctx.connection, p.batch_id, _emitter(ctx))
+    summary = flow.batch_summary(ctx.connection, p.batch_id)
+    return {k: summary[k] for k in ("total", "ready", "failed", "cancelled", "status")} if summary else {}
+
+
+class NoArgs(BaseModel):
+    """No payload."""
+
+
+@platform.stage("conveyor.files.reconcile", payload=NoArgs, queue=QUEUE)
+def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
+    """Periodic: complete any sealed batch whose files are all terminal (lost chord counter)."""
+    from tasks.files.models import batches
+
+    conn = ctx.connection
+    open_ids = (
+        conn.execute(
+            select(batches.c.id).where(
+                batches.c.sealed.is_(True),
+                batches.c.status != "completed",
+                batches.c.terminal >= batches.c.total,
+            )
+        )
+        .scalars()
+        .all()
+    )
+    done = sum(1 for b in open_ids if flow.try_complete(conn, b, _emitter(ctx)))
+    return {"completed": done}
