@@ -14,18 +14,6 @@ from kombu.entity import Queue
 from redis import Redis
 
 JOB_HEADER = "conveyor_job_id"
-# Options of a stored message that publishing again must carry, so canvases survive.
-REPUBLISH_OPTIONS = (
-    "chain",
-    "chord",
-    "link",
-    "link_error",
-    "group_id",
-    "group_index",
-    "parent_id",
-    "root_id",
-    "priority",
-)
 
 
 class Broker:
@@ -83,18 +71,46 @@ class Broker:
         options: Mapping[str, Any],
         task_id: str | None = None,
     ) -> str:
-        """Send one job message; returns the Celery task id used (fresh unless given)."""
+        """Send one job message; returns the Celery task id used (fresh unless given).
+
+        The same message ``send_task`` builds, without its result-backend subscription:
+        job outcomes are awaited through :meth:`JobHandle.wait`, and ``AsyncResult.get()``
+        still works because it subscribes (and reads the stored result) when called.
+        """
         task_id = task_id or str(uuid.uuid4())
-        extra = {k: options[k] for k in REPUBLISH_OPTIONS if options.get(k) is not None}
-        self.app.send_task(
-            stage,
-            args=(),
-            kwargs=dict(payload),
-            task_id=task_id,
-            queue=queue,
-            headers={JOB_HEADER: job_id},
-            **extra,
+        app = self.app
+        amqp = app.amqp
+        routed = amqp.router.route(
+            {"queue": queue, "headers": {JOB_HEADER: job_id}}, stage, (), dict(payload)
         )
+        message = amqp.create_task_message(
+            task_id,
+            stage,
+            (),
+            dict(payload),
+            None,
+            None,
+            options.get("group_id"),
+            options.get("group_index"),
+            None,
+            0,
+            options.get("chord"),
+            _as_list(options.get("link")),
+            _as_list(options.get("link_error")),
+            app.thread_oid,
+            None,
+            None,
+            app.conf.task_send_sent_event,
+            options.get("root_id"),
+            options.get("parent_id"),
+            None,
+            options.get("chain"),
+            **routed,
+        )
+        if options.get("priority") is not None:
+            routed["priority"] = options["priority"]
+        with app.producer_or_acquire(None) as producer:
+            amqp.send_task_message(producer, stage, message, **routed)
         return task_id
 
     def notify(self, job_id: str, status: str) -> None:
@@ -104,3 +120,9 @@ class Broker:
     def wake_channel(self, job_id: str) -> str:
         """The pub/sub channel announcing ``job_id``'s terminal state."""
         return f"{self.key_prefix}done:{job_id}"
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    if value is None:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else [value]

@@ -27,7 +27,7 @@ from redis import Redis
 from sqlalchemy import Connection, and_, exists, literal_column, not_, or_, select, update
 
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now_plus, is_sqlite, next_seq
+from conveyor.db.dialect import db_now_plus, next_seq, upsert
 from conveyor.db.schema import dedup_keys, jobs
 from conveyor.errors import ConfigurationError
 
@@ -153,16 +153,27 @@ class Acquired:
     replaced: bool = False  # debounce: the holder's payload was replaced
 
 
+# Returns {holder or '', now in microseconds}. With no clock given it reads Redis TIME
+# itself, so a duplicate costs one round trip, clock included.
 _CACHE_HIT = """
+local now
+if ARGV[1] == '' then
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+else
+  now = tonumber(ARGV[1])
+end
+local out = {'', string.format('%.0f', now)}
 local v = redis.call('GET', KEYS[1])
-if not v then return false end
+if not v then return out end
 local sep = string.find(v, '|', 1, true)
-if not sep then return false end
+if not sep then return out end
 local job = string.sub(v, 1, sep - 1)
 local exp = tonumber(string.sub(v, sep + 1))
-if exp > 0 and exp <= tonumber(ARGV[1]) then return false end
+if exp > 0 and exp * 1000 <= now then return out end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', '100000', '*', 'job', job, 'dedup', ARGV[2], 'stage', ARGV[3])
-return job
+out[1] = job
+return out
 """
 
 _RELEASE = """
@@ -202,14 +213,15 @@ class Deduplicator:
 
     # -- fast path ----------------------------------------------------------------------
 
-    def cached(self, scope: str, key: str, stage: str, now: float) -> str | None:
-        """One script call: a committed, unexpired holder (and its event), or None."""
+    def cached(self, scope: str, key: str, stage: str) -> tuple[str | None, float]:
+        """One script call: a committed, unexpired holder (and its event) or None, and the
+        dedup clock's reading (taken inside the script when the clock is Redis TIME)."""
         if self._hit is None:
             self._hit = self._redis().register_script(_CACHE_HIT)
-        job = self._hit(
-            keys=[self._key(scope, key), self.stream], args=[int(now * 1000), f"{scope}:{key}", stage]
-        )
-        return job.decode() if isinstance(job, bytes) else job
+        given = "" if self.clock == self.redis_time else str(int(self.clock() * 1_000_000))
+        job, now = self._hit(keys=[self._key(scope, key), self.stream], args=[given, f"{scope}:{key}", stage])
+        holder = job.decode() if isinstance(job, bytes) else str(job)
+        return (holder or None), int(now) / 1_000_000
 
     def cache(
         self, scope: str, key: str, job_id: str, mode: Mode, expires_ms: int | None, now: float
@@ -282,11 +294,7 @@ class Deduplicator:
             "first_ms": now_ms,
             "updated_ms": now_ms,
         }
-        if is_sqlite(conn):
-            from sqlalchemy.dialects.sqlite import insert as dialect_insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
-        base = dialect_insert(dedup_keys).values(**values)
+        base = upsert(conn, dedup_keys).values(**values)
         stmt = base.on_conflict_do_update(
             index_elements=["scope", "key"],
             set_={k: base.excluded[k] for k in ("job_id", "mode", "expires_ms", "first_ms", "updated_ms")},

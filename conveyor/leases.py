@@ -24,7 +24,7 @@ from sqlalchemy import Connection, and_, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, next_seq
+from conveyor.db.dialect import db_now, db_now_plus, next_seq, upsert
 from conveyor.db.schema import jobs, leases
 from conveyor.store import new_event
 
@@ -87,11 +87,7 @@ class Leases:
             "priority": priority,
             "preemptable": preemptable,
         }
-        if is_sqlite(conn):
-            from sqlalchemy.dialects.sqlite import insert as dialect_insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
-        base = dialect_insert(leases).values(**values, heartbeat_at=db_now())
+        base = upsert(conn, leases).values(**values, heartbeat_at=db_now())
         ex = base.excluded
         free = and_(
             or_(

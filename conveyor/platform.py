@@ -405,14 +405,15 @@ class Platform:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
         now = 0.0
         if plan is not None:
-            now = self.deduper.clock()
             if plan.fast_path:
-                hit = self.deduper.cached(plan.scope, plan.key, new.stage, now)
+                hit, now = self.deduper.cached(plan.scope, plan.key, new.stage)
                 if hit is not None:
                     self.metrics.inc("deduplicated", new.stage)
                     handle = JobHandle(self, hit, deduplicated=True)
                     handle.dedup_at = now
                     return handle
+            else:
+                now = self.deduper.clock()
             new.dedup_key = plan.dedup_id
             if plan.dedup.mode == "debounce":
                 new.delay = max(new.delay, float(plan.dedup.window or 0))

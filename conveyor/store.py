@@ -23,6 +23,7 @@ from conveyor.db.dialect import (
     db_now,
     db_now_plus,
     is_sqlite,
+    upsert,
     visible_txid_horizon,
 )
 from conveyor.db.schema import dead_letters, job_events, jobs
@@ -549,11 +550,7 @@ def parse_cursor(cursor: str | None) -> tuple[int, int]:
 
 
 def _insert_ignore(conn: Connection, values: dict[str, Any], index: list[str] | None) -> Any:
-    if is_sqlite(conn):
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    else:
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert  # type: ignore[assignment]
-    stmt = dialect_insert(jobs).values(**values)
+    stmt = upsert(conn, jobs).values(**values)
     return stmt.on_conflict_do_nothing(index_elements=index) if index else stmt.on_conflict_do_nothing()
 
 

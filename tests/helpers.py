@@ -59,3 +59,15 @@ def jobs_of_flow(platform: Any, flow_id: str) -> list[Any]:
         return list(
             conn.execute(select(jobs).where(jobs.c.flow_id == flow_id).order_by(jobs.c.created_at)).mappings()
         )
+
+
+def publish_again(platform: Any, row: Any, *, task_id: str) -> None:
+    """The same message as ``row``'s again: a duplicate delivery, made on purpose."""
+    platform.broker.publish(
+        stage=row["stage"],
+        job_id=row["id"],
+        queue=row["queue"],
+        payload=row["payload"],
+        options=row["options"],
+        task_id=task_id,
+    )

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Engine, Float, bindparam, event, text
+from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Engine, Float, Table, bindparam, event, text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -219,6 +219,20 @@ def _file_lock(path: Path) -> bool:
         return False
     _held_files[path] = fd
     return True
+
+
+# -- upserts ---------------------------------------------------------------------------
+
+
+def upsert(conn: Connection, table: Table) -> Any:
+    """``INSERT`` with ``ON CONFLICT`` support for ``conn``'s dialect."""
+    if is_sqlite(conn):
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+    return pg_insert(table)
 
 
 # -- sequences -------------------------------------------------------------------------

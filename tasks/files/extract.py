@@ -356,6 +356,11 @@ _LINES = frozenset(
 )  # fmt: skip
 _CELLS = frozenset({"td", "th"})
 _HTML_SPACE = re.compile(r"[ \t\n\r\f]+")
+# A start or end tag as the HTML tokenizer ends it: at the first ">" outside a quoted attribute value.
+# Atomic groups and possessive quantifiers: a failed match costs one scan, never backtracking.
+_TAG = re.compile(r"""</?([A-Za-z][^\s/>]*+)(?>[^>"'=]++|=\s*+(?>"[^"]*+"|'[^']*+')?+|["'])*+>""")
+# script and style content is raw text up to the matching end tag (html.parser's CDATA mode).
+_RAW_TEXT_END = {name: re.compile(rf"</{name}(?=[\s/>])", re.IGNORECASE) for name in ("script", "style")}
 _META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
 
 
@@ -388,6 +393,8 @@ class _HtmlText(HTMLParser):
             self._skipping.clear()
         if tag in _SKIPPED:
             self._skipping.append(tag)
+        elif self._skipping:
+            return
         elif tag == "br":
             self.parts.append("\n")
         elif tag in _PARAGRAPHS:
@@ -407,6 +414,8 @@ class _HtmlText(HTMLParser):
         if tag in self._skipping:
             while self._skipping.pop() != tag:
                 pass
+        elif self._skipping:
+            return
         elif tag in _PARAGRAPHS:
             self._break(2)
         elif tag in _LINES:
@@ -427,9 +436,58 @@ class _HtmlText(HTMLParser):
 
 def _html_text(data: bytes, limits: Limits) -> str:
     parser = _HtmlText()
-    parser.feed(_decode_html(data))
+    parser.feed(_defuse_html(_decode_html(data)))
     parser.close()
     return "".join(parser.parts)
+
+
+def _defuse_html(html: str) -> str:
+    """Cut the markup down to constructs that end, in one linear pass, so html.parser stays linear.
+
+    The stdlib parser rescans to the end of the input for every unterminated construct (CPython
+    gh-135462, CVE-2025-6069; not fixed in Python 3.11.7, and similar inputs have been reported since):
+    40 kB of ``<a <a <a ...`` took 20 s here, a few MB would keep a worker busy for hours.
+
+    So the input is read the way a browser reads it first: comments and bogus comments (``<!...>``,
+    ``<?...>``, ``</ ...>``) are dropped, a tag, comment or script that never ends runs to the end of
+    the input and is dropped with it, and a ``<`` that starts nothing is text.
+    """
+    kept: list[str] = []
+    position = 0
+    while (start := html.find("<", position)) != -1:
+        kept.append(html[position:start])
+        head = html[start + 1 : start + 4]
+        if head.startswith("!--"):
+            end = html.find("-->", start + 2)
+            position = end + 3 if end != -1 else len(html)
+            continue
+        if head[:1] in ("!", "?") or (head[:1] == "/" and not _is_letter(head[1:2])):
+            end = html.find(">", start + 1)
+            position = end + 1 if end != -1 else len(html)
+            continue
+        tag = _TAG.match(html, start)
+        if tag is None:
+            if _is_letter(head[:1]) or head[:1] == "/":
+                break  # an unterminated tag swallows the rest of the input
+            kept.append("&lt;")
+            position = start + 1
+            continue
+        kept.append(tag.group())
+        position = tag.end()
+        raw_text = _RAW_TEXT_END.get(tag.group(1).lower()) if not tag.group().startswith("</") else None
+        if raw_text is not None:
+            closing = raw_text.search(html, position)
+            if closing is None:
+                break
+            kept.append(html[position : closing.start()])
+            position = closing.start()
+    else:
+        kept.append(html[position:])
+    return "".join(kept)
+
+
+def _is_letter(char: str) -> bool:
+    return char.isascii() and char.isalpha()
 
 
 def _decode_html(data: bytes) -> str:
@@ -475,6 +533,11 @@ _INLINE: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 # Escaped characters hide in the Private Use Area while the syntax around them is stripped.
 _PUA = 0xE000
+# Code spans are set aside as numbered placeholders while the rest is stripped, again in the PUA.
+_PLACEHOLDER = re.compile("\ue100([\ue110-\ue119]+)\ue101")
+_PLACEHOLDER_CHARS = re.compile("[\ue100-\ue119]")
+_TO_PUA_DIGITS = str.maketrans("0123456789", "".join(chr(0xE110 + d) for d in range(10)))
+_FROM_PUA_DIGITS = {value: key for key, value in _TO_PUA_DIGITS.items()}
 
 
 def _markdown_text(data: bytes, limits: Limits) -> str:
@@ -526,11 +589,14 @@ def _markdown_inline(line: str) -> str:
     A code span runs from a backtick string to the next one of the same length; a string without a
     partner is literal text.
     """
+    if "`" not in line:
+        return _markdown_emphasis(line)
     runs = [(m.start(), m.end()) for m in _BACKTICKS.finditer(line)]
     later: dict[int, list[int]] = {}  # run length -> indexes of such runs, last first
     for index in range(len(runs) - 1, -1, -1):
         later.setdefault(runs[index][1] - runs[index][0], []).append(index)
-    pieces: list[str] = []
+    pieces: list[str] = []  # prose, then a placeholder for each code span
+    codes: list[str] = []
     position = 0  # end of the text already handled
     for index, (start, end) in enumerate(runs):
         same = later[end - start]
@@ -540,11 +606,19 @@ def _markdown_inline(line: str) -> str:
             continue
         closing = runs[same.pop()]
         code = line[end : closing[0]]
-        pieces.append(_markdown_emphasis(line[position:start]))
-        pieces.append(code.strip() or code)
+        pieces.append(line[position:start])
+        pieces.append(f"\ue100{str(len(codes)).translate(_TO_PUA_DIGITS)}\ue101")
+        codes.append(code.strip() or code)
         position = closing[1]
-    pieces.append(_markdown_emphasis(line[position:]))
-    return "".join(pieces)
+    pieces.append(line[position:])
+    if _PLACEHOLDER_CHARS.search(line):
+        # The text already uses the placeholder code points: strip around the spans piece by piece.
+        prose = [_markdown_emphasis(text) for text in pieces[::2]]
+        return prose[0] + "".join(code + text for code, text in zip(codes, prose[1:], strict=True))
+    # One pass with placeholders costs far less than a pass per piece, and emphasis or a link may span
+    # a code span; a placeholder inside a dropped link target goes with it.
+    stripped = _markdown_emphasis("".join(pieces))
+    return _PLACEHOLDER.sub(lambda m: codes[int(m.group(1).translate(_FROM_PUA_DIGITS))], stripped)
 
 
 def _markdown_emphasis(segment: str) -> str:

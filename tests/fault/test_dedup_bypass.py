@@ -14,7 +14,7 @@ import tasks.demo as demo
 from conveyor.db import schema as s
 from conveyor.db.schema import jobs
 from tests.fault.conftest import Spawn
-from tests.helpers import effect_count, eventually
+from tests.helpers import effect_count, eventually, publish_again
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
 
@@ -35,14 +35,7 @@ def test_no_path_bypasses_dedup(platform: Any, spawn: Spawn, tag: str) -> None:
     eventually(lambda: _topics(holder).count("job.deduplicated") >= 2, timeout=60)
 
     row = holder.row()
-    platform.broker.publish(
-        stage=row["stage"],
-        job_id=row["id"],
-        queue=row["queue"],
-        payload=row["payload"],
-        options=row["options"],
-        task_id=row["celery_task_id"],
-    )
+    publish_again(platform, row, task_id=row["celery_task_id"])
     eventually(lambda: "job.skipped" in _topics(holder), timeout=60)
 
     platform.redis.rpush(f"{tag}:go", "go")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import re
 import shutil
+import time
 import zipfile
 from pathlib import Path
 
@@ -225,6 +226,30 @@ def test_html_drops_script_style_and_head_and_decodes_entities() -> None:
 def test_html_with_an_unclosed_head_keeps_the_body() -> None:
     text = extract(b"<html><head><title>Skip me</title><body><p>Kept &eacute;t&eacute;</p>").text
     assert text == "Kept été"
+
+
+def test_html_comments_declarations_and_unterminated_markup() -> None:
+    page = (
+        b"<!DOCTYPE html><html><body><!-- <p>old version</p> -->Shown <?php echo 1 ?>text"
+        b"<p title='a>b'>a < b and c > d</p><script>if (a<b) x('</div>')</script>end"
+        b"<p>cut here<a href='never closed"
+    )
+    assert extract(page).text == "Shown text\n\na < b and c > d\n\nend\n\ncut here"
+
+
+@pytest.mark.parametrize("unit", ["<a ", "<a b='>'", "<!--", "<![CDATA[", "</ ", "<?", '<a x=">'])
+def test_hostile_html_is_parsed_in_linear_time(unit: str) -> None:
+    # Unpatched html.parser needs minutes for 40 kB of some of these; the pre-pass keeps it linear.
+    started = time.monotonic()
+    extract(("<html><p>intro</p>" + unit * (300_000 // len(unit))).encode())
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("unit", ["*a ", "**a ", "_a ", "[", "[a](", "<http:", "`a``", "~~a "])
+def test_hostile_markdown_is_stripped_in_linear_time(unit: str) -> None:
+    started = time.monotonic()
+    extract(("# Title\n\n" + unit * (1_000_000 // len(unit))).encode(), name="hostile.md")
+    assert time.monotonic() - started < 5
 
 
 def test_markdown_syntax_is_stripped_and_text_kept() -> None:
