@@ -39,7 +39,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -47,6 +46,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench.common import BenchError, add_service_args, log, open_platform, prepare, recreate_database
 
 if TYPE_CHECKING:
     from conveyor.handle import JobHandle
@@ -56,23 +57,12 @@ ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "demo"
 NOOP = "conveyor.demo.noop"
 EFFECT = "conveyor.demo.effect"
-DEFAULT_REDIS = "redis://127.0.0.1:6379"
-DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
 REDIS_DB = 14
 DATABASE = "conveyor_bench_dedup"
 READY_TIMEOUT = 60.0
 STRAGGLER_WAIT = 2.0
 BLOCK = 100  # interleaving block of the new-submit sides
 NEW_KEY_BASE = 1_000_000  # distinct from the duplicate phase's n=1
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not produce a valid measurement."""
-
-
-def log(message: str) -> None:
-    """Human progress, on stderr."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def percentile_ms(samples_ns: Sequence[int], q: float) -> float:
@@ -270,10 +260,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=10, help="burst threads (default 10)")
     parser.add_argument("--smoke", action="store_true", help="CI: 200 samples, 50 warm-up, burst of 50")
     parser.add_argument("--profile", default=None, help="also cProfile the duplicate path into this file")
-    parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis base URL, without a DB index")
-    parser.add_argument("--pg", default=DEFAULT_PG, help="Postgres base URL, without a database")
-    parser.add_argument("--redis-db", type=int, default=REDIS_DB, help="Redis DB index (flushed)")
-    parser.add_argument("--database", default=DATABASE, help="Postgres database (dropped and created)")
+    add_service_args(parser, redis_db=REDIS_DB, database=DATABASE)
     args = parser.parse_args(argv)
     if args.smoke:
         args.samples, args.warmup, args.burst = 200, 50, 50
@@ -282,39 +269,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def recreate_database(pg: str, name: str, *, create: bool = True) -> None:
-    """Drop (and by default create again) the bench database."""
-    import psycopg
-
-    with psycopg.connect(f"{pg.rstrip('/')}/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        if create:
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     args = parse_args(argv)
-    redis_url = f"{args.redis.rstrip('/')}/{args.redis_db}"
-    database_url = f"{args.pg.rstrip('/')}/{args.database}"
-    home = Path(tempfile.mkdtemp(prefix="conveyor-bench-dedup-"))
-    # Settings are read when config.celery_app is imported: the environment comes first.
-    os.environ["CONVEYOR_REDIS_URL"] = redis_url
-    os.environ["CONVEYOR_DATABASE_URL"] = database_url
-    os.environ["CONVEYOR_HOME"] = str(home)
-
-    from redis import Redis
-
-    redis = Redis.from_url(redis_url)
-    redis.flushdb()
-    recreate_database(args.pg, args.database)
+    services = prepare(args, prefix="conveyor-bench-dedup-")
+    redis_url, database_url, home, redis = (
+        services.redis_url,
+        services.database_url,
+        services.home,
+        services.redis,
+    )
     bench: DedupBench | None = None
     try:
-        from config.celery_app import platform
-        from config.migrations import upgrade
-
-        platform.app.loader.import_default_modules()
-        upgrade(platform.engine)
+        platform = open_platform()
         bench = DedupBench(
             platform=platform,
             home=home,

@@ -54,13 +54,14 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bench.common import BenchError, add_service_args, log, open_platform, prepare, recreate_database
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
@@ -69,8 +70,6 @@ ROOT = Path(__file__).resolve().parent.parent
 QUEUES = ["priority", "demo"]
 SYNC = "conveyor.demo.sync"
 WRITE = "conveyor.demo.write"
-DEFAULT_REDIS = "redis://127.0.0.1:6379"
-DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
 REDIS_DB = 15
 DATABASE = "conveyor_bench_preempt"
 READY_TIMEOUT = 60.0
@@ -82,15 +81,6 @@ CANCEL_WAIT = 5.0  # a cancelled holder stops at its next checkpoint (~55 ms) or
 HOLDER_TIMEOUT = 30.0
 SYNC_PAYLOAD = {"records": 100_000, "every": 10, "per_record": 0.005}
 WORKER_ENV = {"CONVEYOR_PREEMPT_GRACE": "2"}
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not produce a valid measurement."""
-
-
-def log(message: str) -> None:
-    """Human progress, on stderr."""
-    print(message, file=sys.stderr, flush=True)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -322,10 +312,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--phase", type=float, default=0.0, help="random delay before the submit, up to this many ms"
     )
-    parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis base URL, without a DB index")
-    parser.add_argument("--pg", default=DEFAULT_PG, help="Postgres base URL, without a database")
-    parser.add_argument("--redis-db", type=int, default=REDIS_DB, help="Redis DB index (flushed)")
-    parser.add_argument("--database", default=DATABASE, help="Postgres database (dropped and created)")
+    add_service_args(parser, redis_db=REDIS_DB, database=DATABASE)
     args = parser.parse_args(argv)
     if args.smoke:
         args.runs, args.warmup = 3, 1
@@ -334,40 +321,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def recreate_database(pg: str, name: str, *, create: bool = True) -> None:
-    """Drop (and by default create again) the bench database."""
-    import psycopg
-
-    with psycopg.connect(f"{pg.rstrip('/')}/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        if create:
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     args = parse_args(argv)
-    redis_url = f"{args.redis.rstrip('/')}/{args.redis_db}"
-    database_url = f"{args.pg.rstrip('/')}/{args.database}"
-    home = Path(tempfile.mkdtemp(prefix="conveyor-bench-preempt-"))
-    # Settings are read when config.celery_app is imported: the environment comes first.
-    os.environ["CONVEYOR_REDIS_URL"] = redis_url
-    os.environ["CONVEYOR_DATABASE_URL"] = database_url
-    os.environ["CONVEYOR_HOME"] = str(home)
-
-    from redis import Redis
-
-    redis = Redis.from_url(redis_url)
-    redis.flushdb()
-    recreate_database(args.pg, args.database)
+    services = prepare(args, prefix="conveyor-bench-preempt-")
+    redis_url, database_url, home, redis = (
+        services.redis_url,
+        services.database_url,
+        services.home,
+        services.redis,
+    )
     bench: PreemptionBench | None = None
     runs: list[Run] = []
     try:
-        from config.celery_app import platform
-        from config.migrations import upgrade
-
-        platform.app.loader.import_default_modules()
-        upgrade(platform.engine)
+        platform = open_platform()
         bench = PreemptionBench(platform=platform, home=home, phase_ms=args.phase)
         log(
             f"preemption: runs={args.runs} warmup={args.warmup} phase={args.phase:g}ms redis={redis_url} "

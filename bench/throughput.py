@@ -36,7 +36,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +46,7 @@ from typing import TYPE_CHECKING, TypeVar
 from celery import Celery
 from celery.result import AsyncResult
 
+from bench.common import BenchError, add_service_args, log, open_platform, prepare, recreate_database
 from config.queues import DEFAULT_QUEUE, QUEUES
 from conveyor.celeryconfig import celery_config
 
@@ -61,8 +61,6 @@ QUEUE = "demo"
 TRACKED_STAGE = "conveyor.demo.noop"
 RAW_TASK = "bench.raw.noop"
 RAW_APP = "bench.throughput:raw_app"
-DEFAULT_REDIS = "redis://127.0.0.1:6379"
-DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
 REDIS_DB = 12
 DATABASE = "conveyor_bench"
 POLL_INTERVAL = 0.05
@@ -72,10 +70,6 @@ IDLE_PAUSE = 0.5
 NON_TERMINAL = ("queued", "running", "retrying")
 # kombu's Redis transport keeps delivered-but-unacked messages here (acks_late).
 UNACKED_KEYS = ("unacked", "unacked_index")
-
-
-class BenchError(RuntimeError):
-    """The benchmark could not produce a valid measurement."""
 
 
 # -- the raw side: a plain Celery app and task, nothing from Conveyor's runtime ----------
@@ -338,11 +332,6 @@ def fan_out(threads: int, count: int, fn: Callable[[int], T]) -> list[T]:
         return list(pool.map(fn, range(count), chunksize=max(1, count // (threads * 4))))
 
 
-def log(message: str) -> None:
-    """Human progress, on stderr."""
-    print(message, file=sys.stderr, flush=True)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -353,10 +342,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--submitters", type=int, default=4, help="submitting threads, both sides (default 4)"
     )
     parser.add_argument("--smoke", action="store_true", help=f"CI: n={SMOKE_N}, 1 run")
-    parser.add_argument("--redis", default=DEFAULT_REDIS, help="Redis base URL, without a DB index")
-    parser.add_argument("--pg", default=DEFAULT_PG, help="Postgres base URL, without a database")
-    parser.add_argument("--redis-db", type=int, default=REDIS_DB, help="Redis DB index (flushed)")
-    parser.add_argument("--database", default=DATABASE, help="Postgres database (dropped and created)")
+    add_service_args(parser, redis_db=REDIS_DB, database=DATABASE)
     args = parser.parse_args(argv)
     if args.smoke:
         args.n, args.runs = SMOKE_N, 1
@@ -365,39 +351,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def recreate_database(pg: str, name: str, *, create: bool = True) -> None:
-    """Drop (and by default create again) the bench database."""
-    import psycopg
-
-    with psycopg.connect(f"{pg.rstrip('/')}/postgres", autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        if create:
-            conn.execute(f'CREATE DATABASE "{name}"')
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     args = parse_args(argv)
-    redis_url = f"{args.redis.rstrip('/')}/{args.redis_db}"
-    database_url = f"{args.pg.rstrip('/')}/{args.database}"
-    home = Path(tempfile.mkdtemp(prefix="conveyor-bench-"))
-    # Settings are read when config.celery_app is imported: the environment comes first.
-    os.environ["CONVEYOR_REDIS_URL"] = redis_url
-    os.environ["CONVEYOR_DATABASE_URL"] = database_url
-    os.environ["CONVEYOR_HOME"] = str(home)
-
-    from redis import Redis
-
-    redis = Redis.from_url(redis_url)
-    redis.flushdb()
-    recreate_database(args.pg, args.database)
+    services = prepare(args, prefix="conveyor-bench-")
+    redis_url, database_url, home, redis = (
+        services.redis_url,
+        services.database_url,
+        services.home,
+        services.redis,
+    )
     bench: Bench | None = None
     try:
-        from config.celery_app import platform
-        from config.migrations import upgrade
-
-        platform.app.loader.import_default_modules()
-        upgrade(platform.engine)
+        platform = open_platform()
         configure_raw_app(platform.settings)
         bench = Bench(
             platform=platform,
