@@ -142,3 +142,29 @@ def test_search_ranks_each_document_first_and_stays_within_the_user(
         hits = search(platform, query, owner=tag)
         assert hits and hits[0].name == name, (query, [(h.name, round(h.score, 3)) for h in hits])
         assert all(h.name != "spy-orchids.txt" for h in hits)
+
+
+def test_duplicate_header_task_and_lost_chord_counter_still_complete_once(
+    platform: Any, worker: Any, tag: str
+) -> None:
+    from tests.helpers import publish_again
+
+    batch_id = process_batch(platform, tag, _docs(4, tag))
+    with platform.engine.connect() as conn:
+        extract_jobs = [
+            r
+            for r in conn.execute(select(jobs).where(jobs.c.stage == "conveyor.files.extract")).mappings()
+            if r["label"].startswith(tag)
+        ]
+    # The chord's counter in the result backend is lost...
+    for key in platform.redis.scan_iter("celery-taskset-meta-*"):
+        platform.redis.delete(key)
+    # ...and a header task is delivered twice.
+    publish_again(platform, extract_jobs[0], task_id=extract_jobs[0]["origin_task_id"])
+    batch = eventually(lambda: (b := _batch(platform, batch_id))["status"] == "completed" and b, timeout=120)
+    assert (batch["ready"], batch["terminal"]) == (4, 4)
+    time_to_settle = eventually(
+        lambda: "job.skipped" in [e.topic for e in platform.job(extract_jobs[0]["id"]).events()[0]]
+    )
+    assert time_to_settle
+    assert _completed_events(platform, batch_id) == 1
