@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
 from redis import Redis
-from sqlalchemy import Connection, and_, exists, literal_column, not_, or_, select, update
+from sqlalchemy import Connection, and_, exists, literal_column, or_, select, update
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now_plus, next_seq, upsert
@@ -388,4 +388,4 @@ class Deduplicator:
         return next_seq(conn)
 
 
-__all__ = ["Acquired", "Dedup", "Deduplicator", "canonical_json", "not_"]
+__all__ = ["Acquired", "Dedup", "Deduplicator", "canonical_json"]

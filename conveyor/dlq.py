@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import builtins
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -144,10 +143,4 @@ class DeadLetterQueue:
             res = conn.execute(
                 delete(dead_letters).where(dead_letters.c.created_at < db_now_plus(-days * 86400))
             )
-        return int(res.rowcount or 0)
-
-    def purge_ids(self, ids: Sequence[int]) -> int:
-        """Delete the given entries."""
-        with self.platform.engine.begin() as conn:
-            res = conn.execute(delete(dead_letters).where(dead_letters.c.id.in_(list(ids))))
         return int(res.rowcount or 0)

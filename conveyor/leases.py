@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -335,8 +334,3 @@ class Leases:
 def format_key(template: str, payload: Mapping[str, Any]) -> str:
     """``"user:{user_id}"`` filled from the payload."""
     return template.format(**payload)[:200]
-
-
-def elapsed_since(start: float) -> float:
-    """Seconds since ``start`` (monotonic)."""
-    return time.monotonic() - start

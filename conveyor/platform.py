@@ -328,7 +328,7 @@ class Platform:
             expires_in=expires_in,
             options=stored,
             origin_task_id=job_id,
-            parent_id=_job_of_task(options.get("parent_id")),
+            parent_id=options.get("parent_id") or None,
         )
         if isinstance(new.queue, Queue):
             new.queue = new.queue.name
@@ -671,10 +671,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def _job_of_task(task_id: Any) -> str | None:
-    return str(task_id) if task_id else None
 
 
 def _after_commit(session: Session, fn: Callable[[], None]) -> None:

@@ -324,4 +324,4 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-__all__ = ["Relay", "TickReport", "and_"]
+__all__ = ["Relay", "TickReport"]

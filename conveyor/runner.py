@@ -24,7 +24,6 @@ from conveyor.db import schema as s
 from conveyor.db.schema import jobs
 from conveyor.errors import (
     Cancelled,
-    GarbageMessage,
     Interrupted,
     LeaseLost,
     PayloadInvalid,
@@ -390,33 +389,42 @@ class Runner:
         self.platform.metrics.inc("succeeded", spec.name)
         self._after_commit(task, job, result, continuation)
 
-    def _take_over_continuation(self, conn: Any, task: StageTask, job: Row, result: Any) -> list[NewJob]:
-        """Create the next chain link's and link callbacks' jobs in the completion transaction.
+    def _continuations(self, task: StageTask, job: Row, result: Any) -> list[NewJob]:
+        """The jobs this delivery's next chain link and link callbacks become.
 
-        Celery would publish them right after the body returns; doing it here makes the
-        continuation commit atomically with the completion, so a kill between the two can
-        never strand a flow. Links to tasks that are not stages stay with Celery.
+        Conveyor takes them over from Celery (clearing them from the request) when they are
+        stages; links to plain tasks stay with Celery. Their ids are fixed by the canvas, so
+        computing them again (a redelivered copy) finds the same jobs.
         """
         req = task.request
+        extra = {"parent_id": req.id, "root_id": req.root_id or req.id}
         created: list[NewJob] = []
         chain = list(req.chain or [])
         if chain:
             nxt = signature(chain[-1], app=task.app)
-            if nxt.task in self.platform.stages and not isinstance(
-                nxt.tasks if hasattr(nxt, "tasks") else None, list
-            ):
-                extra = {"chain": chain[:-1] or None, "parent_id": req.id, "root_id": req.root_id or req.id}
-                created.append(self.platform.continuation(nxt, result, job, extra))
+            if nxt.task in self.platform.stages:
+                created.append(
+                    self.platform.continuation(nxt, result, job, {**extra, "chain": chain[:-1] or None})
+                )
                 req.chain = None
-        callbacks = list(req.callbacks or [])
-        if callbacks and all(signature(c, app=task.app).task in self.platform.stages for c in callbacks):
-            for cb in callbacks:
-                sig = signature(cb, app=task.app)
-                extra = {"parent_id": req.id, "root_id": req.root_id or req.id}
-                created.append(self.platform.continuation(sig, result, job, extra))
+        callbacks = [signature(c, app=task.app) for c in req.callbacks or []]
+        if callbacks and all(cb.task in self.platform.stages for cb in callbacks):
+            created += [self.platform.continuation(cb, result, job, extra) for cb in callbacks]
             req.callbacks = None
-        for new in created:
-            self.platform.insert_job(conn, new, epoch=self.platform.broker.epoch())
+        return created
+
+    def _take_over_continuation(self, conn: Any, task: StageTask, job: Row, result: Any) -> list[NewJob]:
+        """Create the continuation's jobs in the completion transaction.
+
+        Celery would publish them right after the body returns; doing it here makes the
+        continuation commit atomically with the completion, so a kill between the two can
+        never strand a flow.
+        """
+        created = self._continuations(task, job, result)
+        if created:
+            epoch = self.platform.broker.epoch()
+            for new in created:
+                self.platform.insert_job(conn, new, epoch=epoch)
         return created
 
     def _after_commit(self, task: StageTask, job: Row, result: Any, continuation: list[NewJob]) -> None:
@@ -434,21 +442,9 @@ class Runner:
     def _replay_success(self, task: StageTask, job: Row) -> Any:
         """A copy of a job that already succeeded: do not run the body again, but make sure
         the flow is not stranded (its continuation is published again; claims dedupe)."""
-        req = task.request
-        self._record_skip(job["id"], ClaimOutcome.ALREADY_SUCCEEDED, req.id)
-        chain = list(req.chain or [])
-        if chain:
-            nxt = signature(chain[-1], app=task.app)
-            if nxt.task in self.platform.stages:
-                new = self.platform.continuation(nxt, job["result"], job, {})
-                self.platform.republish_if_queued(new.id)
-                req.chain = None
-        callbacks = list(req.callbacks or [])
-        if callbacks and all(signature(c, app=task.app).task in self.platform.stages for c in callbacks):
-            for cb in callbacks:
-                new = self.platform.continuation(signature(cb, app=task.app), job["result"], job, {})
-                self.platform.republish_if_queued(new.id)
-            req.callbacks = None
+        self._record_skip(job["id"], ClaimOutcome.ALREADY_SUCCEEDED, task.request.id)
+        for new in self._continuations(task, job, job["result"]):
+            self.platform.republish_if_queued(new.id)
         return job["result"]
 
     # -- failure ------------------------------------------------------------------------
@@ -698,4 +694,4 @@ def _readable(exc: BaseException, spec: StageSpec, attempt: int, max_attempts: i
     return text[:2000]
 
 
-__all__ = ["GarbageMessage", "Runner", "lease_owner"]
+__all__ = ["Runner", "lease_owner"]

@@ -4,7 +4,6 @@ comparisons use the database clock."""
 
 from __future__ import annotations
 
-import datetime as dt
 import traceback as tb
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -580,8 +579,3 @@ def _message(error: BaseException) -> str:
 def format_traceback(error: BaseException) -> str:
     """The traceback of ``error`` as text, bounded."""
     return "".join(tb.format_exception(type(error), error, error.__traceback__))[-8000:]
-
-
-def now_utc() -> dt.datetime:
-    """Local wall clock; for display only, never for comparisons."""
-    return dt.datetime.now(dt.UTC)

@@ -89,26 +89,6 @@ def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) ->
     try_complete(conn, batch_id, emit)
 
 
-def recount_after_retry(conn: Connection, batch_id: str, was: str, now: str, emit: Emit) -> None:
-    """A terminal file changed its outcome (a DLQ retry turned failed into ready)."""
-    old = {READY: batches.c.ready, FAILED: batches.c.failed, CANCELLED: batches.c.cancelled}[was]
-    new = {READY: batches.c.ready, FAILED: batches.c.failed, CANCELLED: batches.c.cancelled}[now]
-    row = (
-        conn.execute(
-            update(batches)
-            .where(batches.c.id == batch_id)
-            .values({old: old - 1, new: new + 1})
-            .returning(
-                batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled, batches.c.status
-            )
-        )
-        .mappings()
-        .one_or_none()
-    )
-    if row is not None:
-        emit("batch.summary_changed", {"batch_id": batch_id, **dict(row)})
-
-
 def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
     """Flip the batch to ``completed`` if sealed and every file is terminal; idempotent."""
     row = (
