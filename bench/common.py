@@ -54,6 +54,14 @@ class Services:
     database_url: str
     home: Path
     redis: Redis
+    pg: str
+    database: str
+
+    def release(self) -> None:
+        """Drop the bench database and empty its Redis DB."""
+        recreate_database(self.pg, self.database, create=False)
+        self.redis.flushdb()
+        self.redis.close()
 
 
 def prepare(args: argparse.Namespace, *, prefix: str) -> Services:
@@ -70,7 +78,7 @@ def prepare(args: argparse.Namespace, *, prefix: str) -> Services:
     redis = Redis.from_url(redis_url)
     redis.flushdb()
     recreate_database(args.pg, args.database)
-    return Services(redis_url, database_url, home, redis)
+    return Services(redis_url, database_url, home, redis, args.pg, args.database)
 
 
 def open_platform() -> Platform:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare, recreate_database
+from bench.common import BenchError, add_service_args, log, open_platform, prepare
 
 if TYPE_CHECKING:
     from conveyor.handle import JobHandle
@@ -273,12 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     args = parse_args(argv)
     services = prepare(args, prefix="conveyor-bench-dedup-")
-    redis_url, database_url, home, redis = (
-        services.redis_url,
-        services.database_url,
-        services.home,
-        services.redis,
-    )
+    redis_url, database_url, home = services.redis_url, services.database_url, services.home
     bench: DedupBench | None = None
     try:
         platform = open_platform()
@@ -310,9 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bench is not None:
             bench.stop_worker()
             bench.platform.reset()
-        recreate_database(args.pg, args.database, create=False)
-        redis.flushdb()
-        redis.close()
+        services.release()
     shutil.rmtree(home, ignore_errors=True)
     print(f"dedup_submit_p50_ms={percentile_ms(dup, 0.5):.3f}")
     print(f"dedup_submit_p99_ms={percentile_ms(dup, 0.99):.3f}")

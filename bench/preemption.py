@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare, recreate_database
+from bench.common import BenchError, add_service_args, log, open_platform, prepare
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
@@ -325,12 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     args = parse_args(argv)
     services = prepare(args, prefix="conveyor-bench-preempt-")
-    redis_url, database_url, home, redis = (
-        services.redis_url,
-        services.database_url,
-        services.home,
-        services.redis,
-    )
+    redis_url, database_url, home = services.redis_url, services.database_url, services.home
     bench: PreemptionBench | None = None
     runs: list[Run] = []
     try:
@@ -356,9 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bench is not None:
             bench.stop_worker()
             bench.platform.reset()
-        recreate_database(args.pg, args.database, create=False)
-        redis.flushdb()
-        redis.close()
+        services.release()
     shutil.rmtree(home, ignore_errors=True)
     latencies = [r.latency_ms for r in runs]
     print(f"preemption_p50_ms={percentile(latencies, 0.5):.1f}")

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, TypeVar
 from celery import Celery
 from celery.result import AsyncResult
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare, recreate_database
+from bench.common import BenchError, add_service_args, log, open_platform, prepare
 from config.queues import DEFAULT_QUEUE, QUEUES
 from conveyor.celeryconfig import celery_config
 
@@ -355,12 +355,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     args = parse_args(argv)
     services = prepare(args, prefix="conveyor-bench-")
-    redis_url, database_url, home, redis = (
-        services.redis_url,
-        services.database_url,
-        services.home,
-        services.redis,
-    )
+    redis_url, database_url, home = services.redis_url, services.database_url, services.home
+    redis = services.redis
     bench: Bench | None = None
     try:
         platform = open_platform()
@@ -389,9 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"cleanup: {exc}")
             bench.platform.reset()
         raw_app.close()
-        recreate_database(args.pg, args.database, create=False)
-        redis.flushdb()
-        redis.close()
+        services.release()
     shutil.rmtree(home, ignore_errors=True)
     print(f"tracked_jobs_per_s={tracked:.1f}")
     print(f"raw_celery_tasks_per_s={raw:.1f}")
