@@ -77,8 +77,11 @@ class DeadLetterQueue:
     def retry(self, entry_id: int, *, by: str = "cli") -> str | None:
         """Send the entry's job back to ``queued`` with a fresh attempt budget.
 
-        ``max_attempts`` grows to ``attempts + policy``; ``attempts`` never decreases, so
-        fencing tokens stay monotonic. Returns the job id, or None if nothing to retry.
+        The job runs again from its own stage: its stage's ``on_retry`` hook undoes what
+        ``on_dead`` recorded, and when it completes, the continuation that ran with the
+        dead job's result runs again with the new one. ``max_attempts`` grows to
+        ``attempts + policy``; ``attempts`` never decreases, so fencing tokens stay
+        monotonic. Returns the job id, or None if nothing to retry.
         """
         with self.platform.engine.begin() as conn:
             entry = (
@@ -112,6 +115,8 @@ class DeadLetterQueue:
             )
             if res.rowcount != 1:
                 return None
+            if spec is not None and spec.on_retry is not None:
+                spec.on_retry(conn, job["payload"])
             conn.execute(
                 update(dead_letters)
                 .where(dead_letters.c.id == entry_id)

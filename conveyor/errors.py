@@ -41,6 +41,10 @@ class InfrastructureError(TransientError):
     """Postgres or Redis could not be reached; never counts as an attempt."""
 
 
+class WorkerLost(TransientError):
+    """The worker running an attempt died (crash, OOM, kill) or stopped heartbeating."""
+
+
 class LeaseLost(TransientError):
     """This attempt no longer owns the job (fencing token or lease check failed)."""
 

@@ -10,9 +10,11 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from celery import Celery, Signature
+from celery import Celery, Signature, signature
+from celery.app.task import Context
 from kombu.entity import Queue
 from pydantic import BaseModel
 from redis import Redis
@@ -35,13 +37,24 @@ from conveyor.metrics import Metrics
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.runner import Runner
 from conveyor.settings import ConveyorSettings
-from conveyor.stage import StageSpec, StageTask, payload_from_call
+from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
 from conveyor.store import JobStore, NewJob, Row, new_event
 
 log = logging.getLogger("conveyor")
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*){2,}$")
 PENDING_KEY = "conveyor_pending_publish"
+
+
+@dataclass
+class Burial:
+    """A job dead-lettered outside its body, and what must follow once that commits."""
+
+    row: Row
+    state: str
+    result: Any
+    continuation: list[NewJob] = field(default_factory=list)
+    chord_member: bool = False
 
 
 class Platform:
@@ -167,6 +180,8 @@ class Platform:
         preemptable: bool = False,
         grace: float | None = None,
         on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
+        on_retry: Callable[[Any, Any], None] | None = None,
+        on_stalled: Callable[[Any, Any, int], None] | None = None,
     ) -> Callable[[Callable[..., Any]], StageTask]:
         """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``.
 
@@ -209,6 +224,8 @@ class Platform:
                 preemptable=preemptable,
                 grace=grace,
                 on_dead=on_dead,
+                on_retry=on_retry,
+                on_stalled=on_stalled,
             )
             self.stages[name] = spec
             task = self.app.task(
@@ -391,6 +408,130 @@ class Platform:
             flow_id=parent["flow_id"],
             parent_id=parent["id"],
         )
+
+    def next_jobs(
+        self,
+        chain: Sequence[Any],
+        callbacks: Sequence[Any],
+        parent: Row,
+        result: Any,
+        extra: Mapping[str, Any],
+    ) -> tuple[list[NewJob], bool, bool]:
+        """The jobs a finished job's next chain link and link callbacks become.
+
+        Returns them and whether the chain and the callbacks were taken over (they are
+        stages); links to plain tasks stay with Celery.
+        """
+        created: list[NewJob] = []
+        took_chain = took_callbacks = False
+        if chain:
+            nxt = signature(chain[-1], app=self.app)
+            if nxt.task in self.stages:
+                created.append(
+                    self.continuation(nxt, result, parent, {**extra, "chain": list(chain[:-1]) or None})
+                )
+                took_chain = True
+        sigs = [signature(c, app=self.app) for c in callbacks]
+        if sigs and all(cb.task in self.stages for cb in sigs):
+            created += [self.continuation(cb, result, parent, extra) for cb in sigs]
+            took_callbacks = True
+        return created, took_chain, took_callbacks
+
+    def insert_continuations(
+        self, conn: Connection, created: Sequence[NewJob], *, upstream: str
+    ) -> list[NewJob]:
+        """Insert a completion's continuation jobs in its transaction.
+
+        A continuation that exists already belongs to an upstream job completing again
+        after a DLQ retry: it runs again with the new input (``rerun``), so a flow resumes
+        from the failed stage. Returns the jobs to publish after commit.
+        """
+        out: list[NewJob] = []
+        if not created:
+            return out
+        epoch = self.broker.epoch()
+        for new in created:
+            if self.insert_job(conn, new, epoch=epoch):
+                out.append(new)
+                continue
+            spec = self.stages.get(new.stage)
+            budget = spec.max_attempts if spec else self.settings.default_max_attempts
+            if self.store.rerun(conn, new, budget=budget, upstream=upstream):
+                new.rerun = True
+                out.append(new)
+        return out
+
+    def publish_continuations(self, created: Sequence[NewJob]) -> None:
+        """After commit: publish new continuation jobs; rerun ones get a fresh task id."""
+        for new in created:
+            if new.rerun:
+                try:
+                    self.republish_if_queued(new.id)
+                except Exception:  # the relay publishes it after republish_after
+                    log.warning("republish of rerun job %s failed", new.id, exc_info=True)
+            else:
+                self.publish_new(new)
+
+    def bury(
+        self,
+        conn: Connection,
+        row: Row,
+        *,
+        error: BaseException,
+        message: str,
+        attempt: int | None = None,
+        tb_text: str | None = None,
+    ) -> Burial | None:
+        """Dead-letter ``row`` outside its stage body (worker lost, hard time limit).
+
+        A stage with ``on_dead`` carries on as its body would have: the hook's result goes
+        down the flow (chain link, callbacks, or its chord's counter), so a flow never
+        waits on a job that died with its worker. Without the hook a chord member fails its
+        chord, as Celery would. Call :meth:`after_burial` once committed.
+        """
+        if not self.store.dead_letter(
+            conn, row, error_type=type(error).__name__, message=message, tb_text=tb_text, attempt=attempt
+        ):
+            return None
+        spec = self.stages.get(row["stage"])
+        options = row["options"] or {}
+        burial = Burial(row=row, state="FAILURE", result=error)
+        burial.chord_member = bool(options.get("chord")) and not options.get("chain")
+        if spec is not None and spec.on_dead is not None:
+            result = to_jsonable(spec.on_dead(conn, row["payload"], error))
+            conn.execute(update(jobs).where(jobs.c.id == row["id"]).values(result=result))
+            extra = {
+                "parent_id": row["celery_task_id"],
+                "root_id": options.get("root_id") or row["celery_task_id"],
+            }
+            created, _, _ = self.next_jobs(
+                options.get("chain") or [], options.get("link") or [], row, result, extra
+            )
+            burial.continuation = self.insert_continuations(conn, created, upstream=str(row["id"]))
+            burial.state, burial.result = "SUCCESS", result
+        return burial
+
+    def after_burial(self, burial: Burial | None) -> None:
+        """Publish a burial's continuation, count it in its chord, wake its waiters."""
+        if burial is None:
+            return
+        row = burial.row
+        self.metrics.inc("dead", row["stage"])
+        self.publish_continuations(burial.continuation)
+        if burial.chord_member:
+            options = row["options"] or {}
+            request = Context(
+                id=row["celery_task_id"] or row["origin_task_id"],
+                group=options.get("group_id"),
+                group_index=options.get("group_index"),
+                chord=options.get("chord"),
+                root_id=options.get("root_id"),
+            )
+            try:
+                self.app.backend.on_chord_part_return(request, burial.state, burial.result)
+            except Exception:
+                log.warning("could not count dead job %s in its chord", row["id"], exc_info=True)
+        self.finished(row["id"], s.DEAD, dedup_key=row["dedup_key"])
 
     def insert_job(self, conn: Connection, new: NewJob, *, epoch: str | None) -> bool:
         """Insert ``new`` (marked as published under ``epoch`` if due now) plus its event."""

@@ -16,10 +16,11 @@ from sqlalchemy import and_, delete, exists, literal_column, or_, select, update
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
+from conveyor.errors import WorkerLost
 from conveyor.store import new_event
 
 if TYPE_CHECKING:
-    from conveyor.platform import Platform
+    from conveyor.platform import Burial, Platform
 
 log = logging.getLogger("conveyor.relay")
 
@@ -50,6 +51,7 @@ class Relay:
         self._last_reconcile = 0.0
         self._unparked: list[str] = []
         self._interrupts: list[tuple[str, int, str]] = []
+        self._burials: list[Burial] = []
 
     # -- one pass -----------------------------------------------------------------------
 
@@ -57,6 +59,7 @@ class Relay:
         """One pass of the relay (and the reconciler); safe to call from anywhere."""
         p = self.platform
         report = TickReport()
+        self._burials = []
         epoch = p.broker.epoch(max_age=0)
         with p.engine.begin() as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, p.settings.resolved_home()):
@@ -96,13 +99,15 @@ class Relay:
         self._copy_dedup_events()
         for job_id, status, dedup_key in finished:
             p.finished(job_id, status, dedup_key=dedup_key)
+        for burial in self._burials:
+            p.after_burial(burial)
         for job_id in self._unparked:
             p.republish_if_queued(job_id)
         for job_id, attempt, task_id in self._interrupts:
             p.app.control.broadcast(
                 "conveyor_interrupt", arguments={"job_id": job_id, "attempt": attempt, "task_id": task_id}
             )
-        self._unparked, self._interrupts = [], []
+        self._unparked, self._interrupts, self._burials = [], [], []
         for row, task_id in marked:
             self._publish(row, task_id)
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
@@ -167,19 +172,14 @@ class Relay:
         for row in stale:
             attempt = int(row["attempts"])
             if attempt >= int(row["max_attempts"]):
-                if store.dead_letter(
-                    conn,
-                    row,
-                    error_type="WorkerLost",
-                    message=(
-                        f"attempt {attempt} of {row['max_attempts']} stopped heartbeating "
-                        "(worker crash, kill or hang); giving up"
-                    ),
-                    tb_text=None,
-                    attempt=attempt,
-                ):
+                message = (
+                    f"attempt {attempt} of {row['max_attempts']} stopped heartbeating "
+                    "(worker crash, kill or hang); giving up"
+                )
+                burial = p.bury(conn, row, error=WorkerLost(message), message=message, attempt=attempt)
+                if burial is not None:
                     report.dead += 1
-                    finished.append((row["id"], s.DEAD, row["dedup_key"]))
+                    self._burials.append(burial)
                 continue
             res = conn.execute(
                 update(jobs)
@@ -207,6 +207,13 @@ class Relay:
                 )
                 p.metrics.inc("stalled", row["stage"])
                 report.stalled += 1
+                spec = p.stages.get(row["stage"])
+                if spec is not None and spec.on_stalled is not None:
+                    try:
+                        with conn.begin_nested():
+                            spec.on_stalled(conn, row["payload"], attempt)
+                    except Exception:  # bookkeeping only; never block the requeue
+                        log.warning("on_stalled hook of %s failed", row["stage"], exc_info=True)
         expired = (
             conn.execute(
                 select(jobs)

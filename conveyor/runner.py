@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import redis.exceptions
 import sqlalchemy.exc
-from celery import signature
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
 
@@ -30,6 +29,7 @@ from conveyor.errors import (
     PermanentError,
     Preempted,
     SkipJob,
+    WorkerLost,
 )
 from conveyor.leases import CANCEL, PREEMPT, Held, format_key
 from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
@@ -179,7 +179,13 @@ class Runner:
         if claim.outcome is ClaimOutcome.RUN:
             assert job is not None
             self.platform.metrics.inc("claimed", spec.name)
+            if claim.took_over:
+                self._stalled(spec, job)
             return self._run(task, spec, job)
+        if claim.outcome is ClaimOutcome.WORKER_LOST:
+            assert job is not None
+            self._bury_lost(job)
+            raise Ignore()
         if claim.outcome is ClaimOutcome.ALREADY_SUCCEEDED:
             assert job is not None
             return self._replay_success(task, job)
@@ -398,18 +404,12 @@ class Runner:
         """
         req = task.request
         extra = {"parent_id": req.id, "root_id": req.root_id or req.id}
-        created: list[NewJob] = []
-        chain = list(req.chain or [])
-        if chain:
-            nxt = signature(chain[-1], app=task.app)
-            if nxt.task in self.platform.stages:
-                created.append(
-                    self.platform.continuation(nxt, result, job, {**extra, "chain": chain[:-1] or None})
-                )
-                req.chain = None
-        callbacks = [signature(c, app=task.app) for c in req.callbacks or []]
-        if callbacks and all(cb.task in self.platform.stages for cb in callbacks):
-            created += [self.platform.continuation(cb, result, job, extra) for cb in callbacks]
+        created, took_chain, took_callbacks = self.platform.next_jobs(
+            list(req.chain or []), list(req.callbacks or []), job, result, extra
+        )
+        if took_chain:
+            req.chain = None
+        if took_callbacks:
             req.callbacks = None
         return created
 
@@ -418,18 +418,14 @@ class Runner:
 
         Celery would publish them right after the body returns; doing it here makes the
         continuation commit atomically with the completion, so a kill between the two can
-        never strand a flow.
+        never strand a flow. A continuation that exists already runs again with the new
+        result (this job was retried from the DLQ): the flow resumes from here.
         """
         created = self._continuations(task, job, result)
-        if created:
-            epoch = self.platform.broker.epoch()
-            for new in created:
-                self.platform.insert_job(conn, new, epoch=epoch)
-        return created
+        return self.platform.insert_continuations(conn, created, upstream=str(job["id"]))
 
     def _after_commit(self, task: StageTask, job: Row, result: Any, continuation: list[NewJob]) -> None:
-        for new in continuation:
-            self.platform.publish_new(new)
+        self.platform.publish_continuations(continuation)
         try:
             self.platform.finished(job["id"], s.SUCCEEDED, dedup_key=job["dedup_key"])
             origin = job["origin_task_id"]
@@ -514,14 +510,33 @@ class Runner:
             raise Reject(exc, requeue=True) from None
         if status == s.DEAD:
             self.platform.metrics.inc("dead", spec.name)
-            for new in continuation:
-                self.platform.publish_new(new)
+            self.platform.publish_continuations(continuation)
             self.platform.finished(job["id"], s.DEAD, dedup_key=job["dedup_key"])
             return carried
         else:
             self.platform.metrics.inc("retried", spec.name)
             # The relay republishes when due; Celery must not retry or store a failure.
             raise Ignore()
+
+    def _stalled(self, spec: StageSpec, job: Row) -> None:
+        """The previous attempt's worker died: let the stage record it (``on_stalled``)."""
+        if spec.on_stalled is None:
+            return
+        try:
+            with self.platform.engine.begin() as conn:
+                spec.on_stalled(conn, job["payload"], int(job["attempts"]) - 1)
+        except Exception:  # bookkeeping only: the takeover itself has committed
+            log.warning("on_stalled hook of %s failed for %s", spec.name, job["id"], exc_info=True)
+
+    def _bury_lost(self, job: Row) -> None:
+        """The last attempt's worker died: dead-letter the job, and carry on its flow."""
+        message = (
+            f"the worker running attempt {job['attempts']} of {job['max_attempts']} "
+            "died (crash, OOM or kill); giving up"
+        )
+        with self.platform.engine.begin() as conn:
+            burial = self.platform.bury(conn, job, error=WorkerLost(message), message=message)
+        self.platform.after_burial(burial)
 
     def _release_uncounted(self, job_id: str, attempt: int) -> None:
         owner = lease_owner()
@@ -554,15 +569,14 @@ class Runner:
                     )
                     store.schedule_retry(conn, row, attempt, delay, exc)
                     return
-                store.dead_letter(
+                burial = self.platform.bury(
                     conn,
                     row,
-                    error_type="TimeLimitExceeded",
+                    error=exc,
                     message=f"{spec.name} exceeded its hard time limit ({exc}) and was killed",
-                    tb_text=None,
                     attempt=attempt,
                 )
-            self.platform.finished(row["id"], s.DEAD, dedup_key=row["dedup_key"])
+            self.platform.after_burial(burial)
         except Exception:
             log.warning(
                 "could not record hard timeout of task %s; the reconciler will", task_id, exc_info=True

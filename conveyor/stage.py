@@ -43,6 +43,11 @@ class StageSpec:
     # Called in the dead-letter transaction (connection, payload, error); its return value
     # goes on down the flow instead of the error, so a chord never waits on a dead member.
     on_dead: Callable[[Any, Any, BaseException], Any] | None = None
+    # Called in the DLQ-retry transaction (connection, payload): undo what on_dead recorded.
+    on_retry: Callable[[Any, Any], None] | None = None
+    # Called when an attempt whose worker was lost is taken over (connection, payload,
+    # attempts so far), in its own transaction.
+    on_stalled: Callable[[Any, Any, int], None] | None = None
 
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""

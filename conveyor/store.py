@@ -40,6 +40,7 @@ class ClaimOutcome(Enum):
     TERMINAL = "terminal"  # dead, cancelled, expired, skipped: nothing to do
     NOT_DUE = "not_due"  # an early copy of a delayed/backing-off job: the relay owns it
     MISSING = "missing"
+    WORKER_LOST = "worker_lost"  # its last attempt's worker died: dead-letter it (the caller)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class NewJob:
     origin_task_id: str | None = None
     status: str = s.QUEUED
     published_epoch: str | None = None  # set: inserted as published now under this epoch
+    rerun: bool = False  # set: the row existed and was sent back to queued (republish it)
     dedup_key: str | None = None
     dedup_seq: int | None = None
 
@@ -165,6 +167,47 @@ class JobStore:
             "event": {"stage": job.stage},
         }
         return conn.execute(PG_SUBMIT, params).first() is not None
+
+    def rerun(self, conn: Connection, job: NewJob, *, budget: int, upstream: str) -> bool:
+        """Its upstream completed again (after a DLQ retry): give ``job`` the new input.
+
+        A finished continuation goes back to ``queued`` with a fresh attempt budget
+        (``attempts`` never decreases) and its open DLQ entry is closed; one still waiting
+        takes the new payload in place. Returns True when it must be published again. A
+        continuation running right now keeps its old input.
+        """
+        res = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job.id, jobs.c.status.in_([s.SUCCEEDED, s.SKIPPED, s.DEAD]))
+            .values(
+                status=s.QUEUED,
+                payload=job.payload,
+                label=job.label,
+                max_attempts=jobs.c.attempts + budget,
+                run_at=db_now(),
+                published_at=None,
+                finished_at=None,
+                lease_owner=None,
+                result=None,
+                error_type=None,
+                last_error=None,
+                updated_at=db_now(),
+            )
+        )
+        if res.rowcount == 1:
+            conn.execute(
+                update(dead_letters)
+                .where(dead_letters.c.job_id == job.id, dead_letters.c.retried_at.is_(None))
+                .values(retried_at=db_now(), retried_by="upstream")
+            )
+            self.emit(conn, [new_event(job.id, "job.rerun", {"stage": job.stage, "upstream": upstream})])
+            return True
+        conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job.id, jobs.c.status.in_(s.CLAIMABLE))
+            .values(payload=job.payload, label=job.label, updated_at=db_now())
+        )
+        return False
 
     def find_existing(self, conn: Connection, job_id: str, key: str | None) -> str | None:
         """The id of the row holding ``job_id`` or idempotency ``key``."""
@@ -322,17 +365,7 @@ class JobStore:
             jobs.c.lease_owner == current["lease_owner"],
         )
         if current["attempts"] >= current["max_attempts"]:
-            self.dead_letter(
-                conn,
-                current,
-                error_type="WorkerLost",
-                message=(
-                    f"the worker running attempt {current['attempts']} of "
-                    f"{current['max_attempts']} died (crash, OOM or kill); giving up"
-                ),
-                tb_text=None,
-            )
-            return Claim(ClaimOutcome.TERMINAL, self.get(conn, current["id"]))
+            return Claim(ClaimOutcome.WORKER_LOST, current)
         row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id)
         if row is None:
             return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
@@ -342,7 +375,11 @@ class JobStore:
                 new_event(
                     row["id"],
                     "job.stalled",
-                    {"previous_owner": current["lease_owner"], "attempt": row["attempts"]},
+                    {
+                        "stage": row["stage"],
+                        "previous_owner": current["lease_owner"],
+                        "attempt": row["attempts"],
+                    },
                 )
             ],
         )

@@ -22,10 +22,11 @@ from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
 from conveyor.db.dialect import db_now
+from conveyor.db.schema import dead_letters, jobs
 from conveyor.platform import Platform
 from conveyor.store import new_event
 from tasks.files import flow
-from tasks.files.models import CANCELLED, QUEUED, TERMINAL, UPLOADED, batches, chunks, files
+from tasks.files.models import CANCELLED, FAILED, QUEUED, TERMINAL, UPLOADED, batches, chunks, files
 
 
 def file_chain(file_id: str, name: str | None = None) -> Signature:
@@ -174,6 +175,48 @@ def cancel_batch(platform: Platform, batch_id: str, *, by: str = "api") -> int:
             session.commit()
         n += before is not None
     return n
+
+
+def replace_content(platform: Platform, file_id: str, data: bytes) -> None:
+    """Fix a file's content in place (same reference), e.g. before retrying it from the DLQ."""
+    with platform.engine.begin() as conn:
+        row = flow.get_file(conn, file_id)
+        if row is None:
+            raise LookupError(f"file {file_id} not found")
+        key = f"{_safe_segment(row['owner'], 'owner')}/{file_id}/{_safe_segment(row['name'], 'file')}"
+        if _storage_put(platform, key, data) != row["content_ref"]:
+            raise ValueError(f"file {file_id} is stored elsewhere; upload it again instead")
+        conn.execute(
+            files.update()
+            .where(files.c.id == file_id)
+            .values(size=len(data), checksum=hashlib.sha256(data).hexdigest(), updated_at=db_now())
+        )
+
+
+def retry_failed(platform: Platform, batch_id: str, *, by: str = "api") -> list[str]:
+    """Retry the batch's failed files from the DLQ, each from the stage it failed in.
+
+    Returns the retried job ids. The batch stays completed if it was; its new totals come
+    as ``batch.summary_changed``.
+    """
+    with platform.engine.connect() as conn:
+        failed = set(
+            conn.execute(select(files.c.id).where(files.c.batch_id == batch_id, files.c.status == FAILED))
+            .scalars()
+            .all()
+        )
+        entries = conn.execute(
+            select(dead_letters.c.id, jobs.c.payload)
+            .join(jobs, jobs.c.id == dead_letters.c.job_id)
+            .where(dead_letters.c.retried_at.is_(None), dead_letters.c.stage.like("conveyor.files.%"))
+        ).all()
+    retried = []
+    for entry_id, payload in entries:
+        if (payload or {}).get("file_id") in failed:
+            job_id = platform.dlq.retry(int(entry_id), by=by)
+            if job_id is not None:
+                retried.append(job_id)
+    return retried
 
 
 @dataclass(frozen=True)

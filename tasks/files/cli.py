@@ -107,6 +107,20 @@ def cancel(batch_id: str) -> None:
 
 
 @app.command()
+def retry(batch_id: str) -> None:
+    """Retry the batch's failed files from the DLQ, each from the stage it failed in."""
+
+    def main() -> int:
+        from pipelines.files import retry_failed
+
+        ids = retry_failed(load_platform(), batch_id, by="cli")
+        console.print(f"retried {len(ids)} file(s)")
+        return 0
+
+    run_command(main)
+
+
+@app.command()
 def search(query: str, user: str = typer.Option("demo"), limit: int = typer.Option(5)) -> None:
     """The best chunks for QUERY among USER's files."""
 

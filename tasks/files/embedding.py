@@ -14,11 +14,14 @@ import hashlib
 import importlib
 import importlib.util
 import itertools
+import json
 import math
 import operator
 import sys
 import threading
 import unicodedata
+import urllib.error
+import urllib.request
 from array import array
 from collections import Counter
 from collections.abc import Sequence
@@ -30,6 +33,7 @@ from tasks.files.chunking import is_word, tokenize
 __all__ = [
     "Embedder",
     "HashingEmbedder",
+    "HttpEmbedder",
     "SentenceTransformerEmbedder",
     "cosine",
     "load_embedder",
@@ -200,6 +204,45 @@ class SentenceTransformerEmbedder:
         return rows
 
 
+class HttpEmbedder:
+    """A remote embedding service: ``POST {"texts": [...]}`` → ``{"vectors": [[...], ...]}``.
+
+    Its name is its URL. Connection errors, timeouts and 5xx are transient (the stage
+    retries); 4xx and malformed answers are permanent.
+    """
+
+    def __init__(self, url: str, *, timeout: float = 10.0) -> None:
+        """Talk to the service at ``url``."""
+        self.name = url
+        self.url = url
+        self.timeout = timeout
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """Embed ``texts`` remotely, one vector per text, in order."""
+        from tasks.files.errors import EmbeddingRejected, EmbeddingUnavailable
+
+        body = json.dumps({"texts": list(texts)}).encode()
+        request = urllib.request.Request(
+            self.url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code >= 500:
+                raise EmbeddingUnavailable(f"embedding service answered {exc.code}") from None
+            raise EmbeddingRejected(f"embedding service refused the request: {exc.code}") from None
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise EmbeddingUnavailable(f"embedding service unreachable: {reason}") from None
+        except ValueError:
+            raise EmbeddingRejected("embedding service answered with invalid JSON") from None
+        vectors = answer.get("vectors") if isinstance(answer, dict) else None
+        if not isinstance(vectors, list) or len(vectors) != len(texts):
+            raise EmbeddingRejected("embedding service answered without one vector per text")
+        return [[float(x) for x in v] for v in vectors]
+
+
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -208,7 +251,7 @@ def _installed(module: str) -> bool:
 
 
 def load_embedder(name: str) -> Embedder:
-    """The embedder called ``name``: ``"hashing-v1"`` or ``"minilm"``.
+    """The embedder called ``name``: ``"hashing-v1"``, ``"minilm"``, or an ``http(s)://`` URL.
 
     Raises:
         ValueError: unknown name.
@@ -218,6 +261,8 @@ def load_embedder(name: str) -> Embedder:
         return HashingEmbedder()
     if name == SentenceTransformerEmbedder.name:
         return SentenceTransformerEmbedder()
+    if name.startswith(("http://", "https://")):
+        return HttpEmbedder(name)
     raise ValueError(
         f"unknown embedder {name!r}; known: {HashingEmbedder.name!r}, {SentenceTransformerEmbedder.name!r}"
     )

@@ -37,5 +37,13 @@ class StorageUnavailable(TransientError):
     """The storage backend failed or timed out; the stage is retried with backoff."""
 
 
+class EmbeddingUnavailable(TransientError):
+    """The embedding service failed, timed out or answered 5xx; retried with backoff."""
+
+
+class EmbeddingRejected(PermanentError):
+    """The embedding service refused the request (4xx) or answered nonsense."""
+
+
 class ContentMissing(FileRejected):
     """The referenced content does not exist in storage."""

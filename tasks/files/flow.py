@@ -85,8 +85,52 @@ def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) ->
     )
     if row is None:
         return
+    if _summary_changed(conn, batch_id, emit):
+        return
     emit("batch.progress", {"batch_id": batch_id, **dict(row)})
     try_complete(conn, batch_id, emit)
+
+
+def revive(conn: Connection, file_id: str, to: str, emit: Emit) -> bool:
+    """A failed file is retried from the DLQ: ``failed → to``, uncounted from its batch.
+
+    The batch's counters always describe its files as they are now; a batch that has
+    completed stays completed (``batch.completed`` fired once) and reports the change as
+    ``batch.summary_changed``.
+    """
+    before = transition(conn, file_id, [FAILED], to, emit, error=None, error_type=None, failed_stage=None)
+    if before is None or not before["batch_id"]:
+        return before is not None
+    batch_id = before["batch_id"]
+    conn.execute(
+        update(batches)
+        .where(batches.c.id == batch_id)
+        .values({batches.c.terminal: batches.c.terminal - 1, batches.c.failed: batches.c.failed - 1})
+    )
+    _summary_changed(conn, batch_id, emit)
+    return True
+
+
+def _summary_changed(conn: Connection, batch_id: str, emit: Emit) -> bool:
+    """Emit ``batch.summary_changed`` with the new totals if the batch has completed."""
+    row = (
+        conn.execute(
+            select(
+                batches.c.status,
+                batches.c.total,
+                batches.c.terminal,
+                batches.c.ready,
+                batches.c.failed,
+                batches.c.cancelled,
+            ).where(batches.c.id == batch_id)
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if row is None or row["status"] != "completed":
+        return False
+    emit("batch.summary_changed", {"batch_id": batch_id, **{k: v for k, v in row.items() if k != "status"}})
+    return True
 
 
 def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:

@@ -30,7 +30,7 @@ from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, QUEUED, 
 from tasks.files.storage import Storage, storage_for
 
 QUEUE = "files"
-RETRY = Backoff(base=1.0, cap=30.0)
+RETRY = Backoff(cap=30.0)  # base: the backoff_base setting (1 s by default)
 ATTEMPTS = 4  # the first try and 3 retries, delays in Postgres
 
 
@@ -99,6 +99,35 @@ def _on_dead(stage: str) -> Any:
     return hook
 
 
+WORKING = {"extract": QUEUED, "chunk": CHUNKING, "embed": EMBEDDING}
+
+
+def _on_retry(stage: str) -> Any:
+    """A DLQ retry of this stage: the file goes back to where the stage picks it up."""
+
+    def hook(conn: Connection, payload: Any) -> None:
+        flow.revive(conn, str((payload or {}).get("file_id", "")), WORKING[stage], _db_emit(conn))
+
+    return hook
+
+
+def _on_stalled(stage: str) -> Any:
+    """The worker running this stage died mid-file: say so (``file.processing_stalled``)."""
+
+    def hook(conn: Connection, payload: Any, attempts: int) -> None:
+        file_id = str((payload or {}).get("file_id", ""))
+        row = flow.get_file(conn, file_id)
+        body = {
+            "file_id": file_id,
+            "batch_id": row["batch_id"] if row is not None else None,
+            "stage": stage,
+            "retry_count": attempts,
+        }
+        platform.store.emit(conn, [new_event(None, "file.processing_stalled", body)])
+
+    return hook
+
+
 def _begin(p: FileRef, accept_from: tuple[str, ...], working: str) -> None:
     """Enter the stage: pass failed files on, skip files found in an unexpected state.
 
@@ -131,6 +160,8 @@ def _db_emit(conn: Connection) -> flow.Emit:
     soft_time_limit=get_settings().files.extract_soft_time_limit,
     label=_label,
     on_dead=_on_dead("extract"),
+    on_retry=_on_retry("extract"),
+    on_stalled=_on_stalled("extract"),
 )
 def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Read the content by reference and extract its text (PDF, DOCX, HTML, Markdown, text)."""
@@ -160,6 +191,8 @@ def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     max_attempts=ATTEMPTS,
     label=_label,
     on_dead=_on_dead("chunk"),
+    on_retry=_on_retry("chunk"),
+    on_stalled=_on_stalled("chunk"),
 )
 def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Split the text into overlapping, token-bounded chunks."""
@@ -190,6 +223,8 @@ def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     max_attempts=ATTEMPTS,
     label=_label,
     on_dead=_on_dead("embed"),
+    on_retry=_on_retry("embed"),
+    on_stalled=_on_stalled("embed"),
 )
 def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Embed every chunk and mark the file ``ready`` (counted in its batch)."""

@@ -168,3 +168,111 @@ def test_duplicate_header_task_and_lost_chord_counter_still_complete_once(
     )
     assert time_to_settle
     assert _completed_events(platform, batch_id) == 1
+
+
+def _events(platform: Any, topic: str, batch_id: str) -> list[dict[str, Any]]:
+    with platform.engine.connect() as conn:
+        rows = conn.execute(
+            select(job_events.c.body).where(job_events.c.topic == topic).order_by(job_events.c.id)
+        ).scalars()
+        return [dict(body) for body in rows if body.get("batch_id") == batch_id]
+
+
+def _jobs_of(platform: Any, file_id: str) -> dict[str, list[Any]]:
+    with platform.engine.connect() as conn:
+        rows = conn.execute(select(jobs).where(jobs.c.stage.like("conveyor.files.%"))).mappings().all()
+    out: dict[str, list[Any]] = {}
+    for r in rows:
+        if (r["payload"] or {}).get("file_id") == file_id:
+            out.setdefault(r["stage"].rsplit(".", 1)[-1], []).append(r)
+    return out
+
+
+def test_fixed_file_retried_from_the_dlq_resumes_and_changes_the_summary(
+    platform: Any, worker: Any, tag: str
+) -> None:
+    from pipelines.files import replace_content, retry_failed
+
+    good = (FIXTURES / "alpine-glaciers.pdf").read_bytes()
+    batch_id = process_batch(
+        platform, tag, [Upload("fine.txt", TOPICS["chess"].encode()), Upload("broken.pdf", good[:4000])]
+    )
+    batch = eventually(lambda: (b := _batch(platform, batch_id))["status"] == "completed" and b, timeout=120)
+    assert (batch["ready"], batch["failed"]) == (1, 1)
+    with platform.engine.connect() as conn:
+        broken = conn.execute(
+            select(files.c.id).where(files.c.batch_id == batch_id, files.c.name == "broken.pdf")
+        ).scalar_one()
+    # Downstream stages ran with the failed marker and ended skipped.
+    before = _jobs_of(platform, broken)
+    assert [j["status"] for j in before["extract"]] == [s.DEAD]
+    assert [j["status"] for j in before["chunk"] + before["embed"]] == [s.SKIPPED, s.SKIPPED]
+
+    replace_content(platform, broken, good)
+    assert retry_failed(platform, batch_id) == [before["extract"][0]["id"]]
+    eventually(lambda: _file(platform, broken)["status"] == "ready", timeout=120)
+    after = _jobs_of(platform, broken)
+    # The same three jobs ran again, in order: no new rows, nothing left behind.
+    assert {k: [j["id"] for j in v] for k, v in after.items()} == {
+        k: [j["id"] for j in v] for k, v in before.items()
+    }
+    assert all(j["status"] == s.SUCCEEDED for v in after.values() for j in v)
+    assert after["extract"][0]["attempts"] == 2
+    batch = _batch(platform, batch_id)
+    assert (batch["ready"], batch["failed"], batch["terminal"], batch["status"]) == (2, 0, 2, "completed")
+    changes = _events(platform, "batch.summary_changed", batch_id)
+    assert changes and (changes[-1]["ready"], changes[-1]["failed"]) == (2, 0)
+    assert _completed_events(platform, batch_id) == 1
+    with platform.engine.connect() as conn:
+        open_letters = conn.execute(
+            select(func.count())
+            .select_from(dead_letters)
+            .where(dead_letters.c.job_id == before["extract"][0]["id"], dead_letters.c.retried_at.is_(None))
+        ).scalar_one()
+    assert open_letters == 0
+
+
+def test_transient_embed_fault_exhausts_retries_then_a_dlq_retry_runs_embed_only(
+    platform: Any, worker: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pipelines.files import retry_failed
+    from tests.peers import embedding_peer
+
+    with embedding_peer() as peer:
+        monkeypatch.setattr(platform.settings.files, "embedder", peer.url)
+        peer.failing = True
+        batch_id = process_batch(platform, tag, [Upload("lighthouse.txt", TOPICS["lighthouses"].encode())])
+        batch = eventually(
+            lambda: (b := _batch(platform, batch_id))["status"] == "completed" and b, timeout=120
+        )
+        assert (batch["ready"], batch["failed"]) == (0, 1)
+        with platform.engine.connect() as conn:
+            file_row = conn.execute(select(files).where(files.c.batch_id == batch_id)).mappings().one()
+            letter = (
+                conn.execute(
+                    select(dead_letters).where(
+                        dead_letters.c.stage == "conveyor.files.embed",
+                        dead_letters.c.label == "lighthouse.txt",
+                    )
+                )
+                .mappings()
+                .one()
+            )
+        assert file_row["failed_stage"] == "embed" and file_row["error_type"] == "EmbeddingUnavailable"
+        assert letter["attempts"] == 4 and "gave up after 4 of 4 attempts" in letter["message"]
+        assert peer.refused == 4
+        before = _jobs_of(platform, file_row["id"])
+
+        peer.failing = False
+        assert retry_failed(platform, batch_id) == [before["embed"][0]["id"]]
+        eventually(lambda: _file(platform, file_row["id"])["status"] == "ready", timeout=60)
+    after = _jobs_of(platform, file_row["id"])
+    # Extract and chunk did not run again: same rows, same attempts.
+    for stage in ("extract", "chunk"):
+        assert [(j["id"], j["attempts"]) for j in after[stage]] == [
+            (j["id"], j["attempts"]) for j in before[stage]
+        ]
+    assert [(j["attempts"], j["status"]) for j in after["embed"]] == [(5, s.SUCCEEDED)]
+    changes = _events(platform, "batch.summary_changed", batch_id)
+    assert (changes[-1]["ready"], changes[-1]["failed"]) == (1, 0)
+    assert _completed_events(platform, batch_id) == 1
