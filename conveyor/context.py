@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 
+from conveyor.admission import Slot
 from conveyor.db.schema import RUNNING, jobs, leases
 from conveyor.errors import Cancelled, LeaseLost, Preempted
 from conveyor.leases import CANCEL, PREEMPT, Held
@@ -52,6 +53,7 @@ class JobContext:
         self._session: Session | None = None
         self.lease_lost = False
         self.held: Held | None = None
+        self.slot: Slot | None = None  # a concurrency slot, renewed with the heartbeat
         self.stop_requested: str | None = None  # "preempt" / "cancel", set by the poller
         self._last_check = 0.0
 

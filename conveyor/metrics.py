@@ -20,6 +20,7 @@ COUNTERS = (
     "deduplicated",
     "preempted",
     "cancelled",
+    "throttled",
 )
 
 

@@ -22,6 +22,7 @@ from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy import event as sa_event
 from sqlalchemy.orm import Session
 
+from conveyor.admission import Admission
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db import schema as s
@@ -79,6 +80,12 @@ class Platform:
         self.metrics = Metrics(settings)
         self.deduper = Deduplicator(settings, lambda: self.redis)
         self.leases = Leases(self)
+        self.admission = Admission(
+            lambda: self.redis,
+            key_prefix=settings.key_prefix,
+            slot_ttl=settings.lease_timeout,
+            busy_wait=settings.throttle_wait,
+        )
         self._local = threading.local()
         self.background: list[Any] = []  # relay threads started in this process
         self._engine: Engine | None = None
@@ -179,6 +186,7 @@ class Platform:
         lease_key: str | None = None,
         preemptable: bool = False,
         grace: float | None = None,
+        concurrency: int | None = None,
         on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
         on_retry: Callable[[Any, Any], None] | None = None,
         on_stalled: Callable[[Any, Any, int], None] | None = None,
@@ -223,6 +231,7 @@ class Platform:
                 lease_key=lease_key,
                 preemptable=preemptable,
                 grace=grace,
+                concurrency=override.concurrency or concurrency,
                 on_dead=on_dead,
                 on_retry=on_retry,
                 on_stalled=on_stalled,
@@ -730,7 +739,7 @@ class Platform:
                 raise LookupError(f"job {job_id} not found")
             status = str(row["status"])
             who = {"cancelled_by": by[:200], "cancel_reason": reason}
-            if status in (s.QUEUED, s.RETRYING, s.WAITING_LEASE):
+            if status in (*s.CLAIMABLE, s.WAITING_LEASE):
                 ok = self.store.finish(
                     conn,
                     row,

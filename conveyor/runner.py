@@ -17,6 +17,7 @@ import sqlalchemy.exc
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
 
+from conveyor.admission import Slot
 from conveyor.broker import JOB_HEADER
 from conveyor.context import JobContext
 from conveyor.db import schema as s
@@ -129,6 +130,8 @@ class Heartbeat:
                 ctx.lease_lost = True
             if ctx.held is not None and not p.leases.renew(conn, ctx.held, ctx.job_id):
                 ctx.lease_lost = True
+        if ctx.slot is not None:
+            p.admission.renew(ctx.slot)
         if ctx.stop_requested is None:
             ctx.stop_requested = p.leases.stop_requested_db(ctx.job_id, ctx.attempt)
 
@@ -158,8 +161,11 @@ class Runner:
         req = task.request
         store = self.platform.store
         owner = lease_owner()
+        slot = None
         try:
             job_id = _header(req, JOB_HEADER)
+            if job_id is not None:
+                slot = self._admit(spec, req, job_id)
             claim: Claim | None = None
             if job_id is not None:
                 with self.platform.autocommit() as conn:
@@ -171,6 +177,7 @@ class Runner:
                         job_id = self._adopt(conn, spec, req, args, kwargs)
                     claim = store.claim(conn, job_id, owner=owner, task_id=req.id)
         except INFRA_ERRORS as exc:
+            self._release_slot(slot)
             log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
             time.sleep(self.platform.settings.infra_backoff)
             raise Reject(exc, requeue=True) from None
@@ -181,7 +188,8 @@ class Runner:
             self.platform.metrics.inc("claimed", spec.name)
             if claim.took_over:
                 self._stalled(spec, job)
-            return self._run(task, spec, job)
+            return self._run(task, spec, job, slot)
+        self._release_slot(slot)
         if claim.outcome is ClaimOutcome.WORKER_LOST:
             assert job is not None
             self._bury_lost(job)
@@ -221,12 +229,43 @@ class Runner:
 
         signal.signal(signal.SIGUSR1, on_usr1)
 
-    def _run(self, task: StageTask, spec: StageSpec, job: Row) -> Any:
+    def _admit(self, spec: StageSpec, req: Any, job_id: str) -> Slot | None:
+        """Check the queue's rate limit and the stage's concurrency cap before the claim.
+
+        Over a limit, the job is parked ``throttled`` (visible, never dropped) and this
+        delivery is acked; the relay publishes the job again when its ``run_at`` comes.
+        """
+        queue = _queue_of(req, spec)
+        rate = self.platform.settings.rate_limits.get(queue)
+        if rate is None and spec.concurrency is None:
+            return None
+        verdict = self.platform.admission.check(
+            queue=queue, rate=rate, stage=spec.name, concurrency=spec.concurrency, job_id=job_id
+        )
+        if verdict.reason is None:
+            return verdict.slot
+        body = {"stage": spec.name, "queue": queue, "reason": verdict.reason}
+        with self.platform.engine.begin() as conn:
+            parked = self.platform.store.throttle(conn, job_id, wait=verdict.wait, body=body)
+        if not parked:
+            return None  # not waiting to be claimed: the claim below says why
+        self.platform.metrics.inc("throttled", spec.name)
+        raise Ignore()
+
+    def _release_slot(self, slot: Slot | None) -> None:
+        if slot is not None:
+            try:
+                self.platform.admission.release(slot)
+            except Exception:  # the slot expires on its own
+                log.warning("could not release concurrency slot %s", slot.key, exc_info=True)
+
+    def _run(self, task: StageTask, spec: StageSpec, job: Row, slot: Slot | None = None) -> Any:
         self._install_interrupt_handler()
         attempt = int(job["attempts"])
         ctx = JobContext(
             self.platform, job_id=job["id"], attempt=attempt, stage=spec.name, flow_id=job["flow_id"]
         )
+        ctx.slot = slot
         self.heartbeat.track(ctx)
         started = time.monotonic()
         try:
@@ -270,6 +309,7 @@ class Runner:
         finally:
             self.heartbeat.track(None)
             ctx.close()
+            self._release_slot(slot)
             if ctx.held is not None:
                 self.platform.leases.release(ctx.held, ctx.job_id)
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from conveyor.admission import RateLimit
+
 
 class StageOverride(BaseModel):
     """Per-stage limits set by the deployment, on top of what the decorator declares."""
@@ -15,6 +17,7 @@ class StageOverride(BaseModel):
     time_limit: float | None = None
     soft_time_limit: float | None = None
     max_attempts: int | None = None
+    concurrency: int | None = Field(None, ge=1, description="running at once, across all workers")
 
 
 class ConveyorSettings(BaseSettings):
@@ -46,6 +49,12 @@ class ConveyorSettings(BaseSettings):
     default_time_limit: float = 300.0
     default_soft_time_limit: float = 270.0
     stages: dict[str, StageOverride] = Field(default_factory=dict)
+    rate_limits: dict[str, RateLimit] = Field(
+        default_factory=dict, description="per queue, across all workers, e.g. {'files': {'rate': 20}}"
+    )
+    throttle_wait: float = Field(
+        0.5, description="how long a job of a stage at its concurrency cap is parked"
+    )
 
     preempt_grace: float = Field(2.0, description="a stopped holder's time to checkpoint before escalation")
     preempt_wait_budget: float = Field(30.0, description="longest a preemptor waits in its slot")

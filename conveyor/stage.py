@@ -40,6 +40,7 @@ class StageSpec:
     lease_key: str | None = None
     preemptable: bool = False
     grace: float | None = None
+    concurrency: int | None = None  # running at once across all workers (None: no cap)
     # Called in the dead-letter transaction (connection, payload, error); its return value
     # goes on down the flow instead of the error, so a chord never waits on a dead member.
     on_dead: Callable[[Any, Any, BaseException], Any] | None = None

@@ -43,7 +43,8 @@ SKIPPED = "skipped"
 WAITING_LEASE = "waiting_lease"  # parked until its lease key is released; holds no pool slot
 
 TERMINAL = frozenset({SUCCEEDED, DEAD, CANCELLED, EXPIRED, SKIPPED})
-CLAIMABLE = (QUEUED, RETRYING)
+THROTTLED = "throttled"  # over a rate limit or concurrency cap: parked until run_at
+CLAIMABLE = (QUEUED, RETRYING, THROTTLED)
 
 jobs = Table(
     "jobs",
@@ -89,8 +90,8 @@ jobs = Table(
     Index(
         "ix_jobs_due",
         "run_at",
-        postgresql_where=text("published_at IS NULL AND status IN ('queued', 'retrying')"),
-        sqlite_where=text("published_at IS NULL AND status IN ('queued', 'retrying')"),
+        postgresql_where=text("published_at IS NULL AND status IN ('queued', 'retrying', 'throttled')"),
+        sqlite_where=text("published_at IS NULL AND status IN ('queued', 'retrying', 'throttled')"),
     ),
     Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
     Index("ix_jobs_status_published", "status", "published_at"),

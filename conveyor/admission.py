@@ -1,0 +1,124 @@
+"""Admission at claim: global per-queue rate limits and per-stage concurrency caps.
+
+Both live in Redis so that they hold across every worker (Celery's ``rate_limit`` is per
+worker process and is not used). A delivery over a limit is not dropped and holds no pool
+slot: its job is parked in Postgres as ``throttled`` with ``run_at`` at the next token (or
+shortly, for a full stage) and a ``job.rate_limited`` event, and the relay publishes it
+again when due.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, Field
+from redis import Redis
+from redis.commands.core import Script
+
+# A token bucket per queue. Returns the seconds to wait for a token (0: one was taken).
+_TAKE_TOKEN = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(b[1]) or burst, tonumber(b[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+local wait = 0
+if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+return tostring(wait)
+"""
+
+# A counting semaphore per stage: members expire unless renewed (a killed worker's slot
+# comes back after the TTL). Returns 1 if ``member`` holds a slot.
+_TAKE_SLOT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+  return 1
+end
+return 0
+"""
+
+
+class RateLimit(BaseModel):
+    """At most ``rate`` jobs per second started from a queue, across all workers."""
+
+    rate: float = Field(gt=0)
+    burst: float | None = Field(None, ge=1, description="bucket size; default: one second's worth")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A held concurrency slot of a stage."""
+
+    key: str
+    member: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a delivery may run now; if not, how long to park it and why."""
+
+    wait: float = 0.0
+    reason: str | None = None  # "rate" or "concurrency"
+    slot: Slot | None = None
+
+
+class Admission:
+    """Checks a delivery against its queue's rate limit and its stage's concurrency cap."""
+
+    def __init__(
+        self, redis: Callable[[], Redis], *, key_prefix: str, slot_ttl: float, busy_wait: float
+    ) -> None:
+        self._redis = redis
+        self.key_prefix = key_prefix
+        self.slot_ttl_ms = max(1000, int(slot_ttl * 1000))
+        self.busy_wait = busy_wait
+        self._scripts: dict[str, Script] = {}
+
+    def _run(self, source: str, key: str, *args: float | str) -> Any:
+        r = self._redis()
+        script = self._scripts.get(source)
+        if script is None:
+            script = self._scripts[source] = r.register_script(source)
+        return script(keys=[key], args=list(args), client=r)
+
+    def check(
+        self, *, queue: str, rate: RateLimit | None, stage: str, concurrency: int | None, job_id: str
+    ) -> Verdict:
+        """Take a slot (if capped) and a token (if limited); on refusal nothing is held."""
+        slot = None
+        if concurrency is not None:
+            slot = Slot(f"{self.key_prefix}slots:{stage}", job_id)
+            took = self._run(_TAKE_SLOT, slot.key, concurrency, slot.member, self.slot_ttl_ms)
+            if not int(took):
+                return Verdict(wait=self.busy_wait, reason="concurrency")
+        if rate is not None:
+            burst = rate.burst or max(1.0, rate.rate)
+            wait = float(self._run(_TAKE_TOKEN, f"{self.key_prefix}rate:{queue}", rate.rate, burst))
+            if wait > 0:
+                if slot is not None:
+                    self.release(slot)
+                return Verdict(wait=wait, reason="rate")
+        return Verdict(slot=slot)
+
+    def renew(self, slot: Slot) -> None:
+        """Keep a running job's slot (called by its heartbeat)."""
+        r = self._redis()
+        r.zadd(slot.key, {slot.member: _redis_ms(r) + self.slot_ttl_ms}, xx=True)
+
+    def release(self, slot: Slot) -> None:
+        """Give the slot back."""
+        self._redis().zrem(slot.key, slot.member)
+
+
+def _redis_ms(r: Redis) -> int:
+    seconds, micros = r.time()
+    return int(seconds) * 1000 + int(micros) // 1000
