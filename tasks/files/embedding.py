@@ -216,6 +216,7 @@ class HttpEmbedder:
         self.name = url
         self.url = url
         self.timeout = timeout
+        self.dim = 0  # known after the first answer
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """Embed ``texts`` remotely, one vector per text, in order."""
@@ -240,7 +241,10 @@ class HttpEmbedder:
         vectors = answer.get("vectors") if isinstance(answer, dict) else None
         if not isinstance(vectors, list) or len(vectors) != len(texts):
             raise EmbeddingRejected("embedding service answered without one vector per text")
-        return [[float(x) for x in v] for v in vectors]
+        out = [[float(x) for x in v] for v in vectors]
+        if out:
+            self.dim = len(out[0])
+        return out
 
 
 def _installed(module: str) -> bool:
