@@ -84,18 +84,19 @@ class JobContext:
             conn.execute(update(jobs).where(jobs.c.id == self.job_id).values(progress=info))
             store.emit(conn, [new_event(self.job_id, "job.progress", info)])
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, *, fresh: bool = True) -> None:
         """A safe point to stop. Call it in loops (e.g. every 10 records).
 
         Raises :class:`Preempted` when a higher-priority job needs this job's lease (the
         job is requeued and runs again later), :class:`Cancelled` after ``cancel()``, and
-        :class:`LeaseLost` when this attempt no longer owns the job.
+        :class:`LeaseLost` when this attempt no longer owns the job. With ``fresh=False``
+        only the flag the heartbeat thread polls is read (no Redis round trip).
         """
         if self.lease_lost:
             raise LeaseLost(f"job {self.job_id} attempt {self.attempt} lost its lease")
         kind = self.stop_requested
         now = time.monotonic()
-        if kind is None and now - self._last_check >= 0.02:
+        if fresh and kind is None and now - self._last_check >= 0.02:
             self._last_check = now
             kind = self.stop_requested = self.platform.leases.stop_requested(self.job_id, self.attempt)
         if kind == PREEMPT:

@@ -273,7 +273,7 @@ class Runner:
             if spec.lease_key:
                 ctx.held = self._take_lease(ctx, spec, payload)
             result = to_jsonable(spec.fn(ctx, payload))
-            ctx.checkpoint()
+            ctx.checkpoint(fresh=False)  # the body is done: the polled flag is enough
             self._complete(task, spec, job, ctx, result)
             self.platform.metrics.observe_runtime(spec.name, time.monotonic() - started)
             return result

@@ -224,6 +224,17 @@ def _file_lock(path: Path) -> bool:
 # -- upserts ---------------------------------------------------------------------------
 
 
+def relax_commit(conn: Connection) -> None:
+    """Let this transaction commit without waiting for the WAL flush (Postgres).
+
+    Only for writes that are safe to lose in a database crash because a later
+    synchronous commit flushes them, or because redoing them is harmless (a progress
+    state that the next attempt sets again). A no-op on SQLite.
+    """
+    if not is_sqlite(conn):
+        conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+
+
 def upsert(conn: Connection, table: Table) -> Any:
     """``INSERT`` with ``ON CONFLICT`` support for ``conn``'s dialect."""
     if is_sqlite(conn):

@@ -77,7 +77,12 @@ def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) ->
             .where(batches.c.id == batch_id)
             .values({batches.c.terminal: batches.c.terminal + 1, column: column + 1})
             .returning(
-                batches.c.terminal, batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled
+                batches.c.status,
+                batches.c.terminal,
+                batches.c.total,
+                batches.c.ready,
+                batches.c.failed,
+                batches.c.cancelled,
             )
         )
         .mappings()
@@ -85,9 +90,11 @@ def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) ->
     )
     if row is None:
         return
-    if _summary_changed(conn, batch_id, emit):
+    counts = {k: v for k, v in row.items() if k != "status"}
+    if row["status"] == "completed":  # a member retried from the DLQ after completion
+        emit("batch.summary_changed", {"batch_id": batch_id, **counts})
         return
-    emit("batch.progress", {"batch_id": batch_id, **dict(row)})
+    emit("batch.progress", {"batch_id": batch_id, **counts})
     try_complete(conn, batch_id, emit)
 
 

@@ -10,15 +10,17 @@ header, so a failed file never blocks its batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Connection, delete, insert, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 
 from config.celery_app import platform
 from config.settings import Settings, get_settings
 from conveyor.context import JobContext
+from conveyor.db.dialect import relax_commit
 from conveyor.errors import SkipJob
 from conveyor.retry import Backoff
 from conveyor.store import new_event
@@ -128,21 +130,25 @@ def _on_stalled(stage: str) -> Any:
     return hook
 
 
-def _begin(p: FileRef, accept_from: tuple[str, ...], working: str) -> None:
+def _begin(ctx: JobContext, p: FileRef, accept_from: tuple[str, ...], working: str) -> Mapping[str, Any]:
     """Enter the stage: pass failed files on, skip files found in an unexpected state.
 
     ``working`` is the stage's own state (a retry finds the file there); ``accept_from``
-    are the states the stage may move the file out of (extract: ``queued``).
+    are the states the stage may move the file out of (extract: ``queued``), committed at
+    once so that the stage shows while it runs. Returns the file row.
     """
     if p.failed:
         raise SkipJob("file already failed", p.model_dump())
-    with platform.engine.begin() as conn:
-        row = flow.get_file(conn, p.file_id)
-        found = str(row["status"]) if row is not None else "missing"
-        if found == working:
-            return
-        if found in accept_from and flow.transition(conn, p.file_id, [found], working, _db_emit(conn)):
-            return
+    row = flow.get_file(ctx.connection, p.file_id)
+    found = str(row["status"]) if row is not None else "missing"
+    if found == working and row is not None:
+        return row
+    if found in accept_from:
+        with platform.engine.begin() as conn:
+            relax_commit(conn)  # a progress state: a retry from ``queued`` sets it again
+            moved = flow.transition(conn, p.file_id, [found], working, _db_emit(conn))
+        if moved is not None:
+            return {**moved, "status": working}
     failed = found in TERMINAL and found != READY
     raise SkipJob(f"file found {found}", {"file_id": p.file_id, "name": p.name, "failed": failed})
 
@@ -166,9 +172,7 @@ def _db_emit(conn: Connection) -> flow.Emit:
 )
 def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Read the content by reference and extract its text (PDF, DOCX, HTML, Markdown, text)."""
-    _begin(p, (QUEUED,), EXTRACTING)
-    row = flow.get_file(ctx.connection, p.file_id)
-    assert row is not None
+    row = _begin(ctx, p, (QUEUED,), EXTRACTING)
     limits = Limits(max_bytes=_settings().files.max_bytes, max_pages=_settings().files.max_pages)
     result = extract(_storage(row["content_ref"]).get(row["content_ref"]), name=row["name"], limits=limits)
     flow.transition(
@@ -198,10 +202,8 @@ def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
 )
 def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Split the text into overlapping, token-bounded chunks."""
-    _begin(p, (), CHUNKING)
+    row = _begin(ctx, p, (), CHUNKING)
     conn = ctx.connection
-    row = flow.get_file(conn, p.file_id)
-    assert row is not None
     settings = _settings().files
     pieces = chunk_text(row["text"] or "", max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap)
     conn.execute(delete(chunks).where(chunks.c.file_id == p.file_id))  # a rerun replaces, never duplicates
@@ -231,15 +233,21 @@ def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
 )
 def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Embed every chunk and mark the file ``ready`` (counted in its batch)."""
-    _begin(p, (), EMBEDDING)
+    _begin(ctx, p, (), EMBEDDING)
     conn = ctx.connection
     rows = conn.execute(
         select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == p.file_id).order_by(chunks.c.ordinal)
     ).all()
     embedder = _embedder(_settings().files.embedder)
     vectors = embedder.embed([r.text for r in rows]) if rows else []
-    for r, v in zip(rows, vectors, strict=True):
-        conn.execute(update(chunks).where(chunks.c.id == r.id).values(embedding=pack(v), model=embedder.name))
+    if rows:  # one round trip (psycopg pipelines executemany)
+        conn.execute(
+            update(chunks).where(chunks.c.id == bindparam("chunk_id")),
+            [
+                {"chunk_id": r.id, "embedding": pack(v), "model": embedder.name}
+                for r, v in zip(rows, vectors, strict=True)
+            ],
+        )
     before = flow.transition(conn, p.file_id, [EMBEDDING], READY, _emitter(ctx))
     if before is None:
         raise SkipJob("file left embedding meanwhile", {"file_id": p.file_id, "name": p.name})
