@@ -139,16 +139,23 @@ def _begin(ctx: JobContext, p: FileRef, accept_from: tuple[str, ...], working: s
     """
     if p.failed:
         raise SkipJob("file already failed", p.model_dump())
-    row = flow.get_file(ctx.connection, p.file_id)
-    found = str(row["status"]) if row is not None else "missing"
-    if found == working and row is not None:
-        return row
-    if found in accept_from:
+    if accept_from:
+        # Its own transaction, before the job's: a second connection opened while the
+        # job's holds SQLite's write lock would wait for it forever.
         with platform.engine.begin() as conn:
             relax_commit(conn)  # a progress state: a retry from ``queued`` sets it again
-            moved = flow.transition(conn, p.file_id, [found], working, _db_emit(conn))
+            row = flow.get_file(conn, p.file_id)
+            found = str(row["status"]) if row is not None else "missing"
+            moved = None
+            if found in accept_from:
+                moved = flow.transition(conn, p.file_id, [found], working, _db_emit(conn))
         if moved is not None:
             return {**moved, "status": working}
+    else:
+        row = flow.get_file(ctx.connection, p.file_id)
+        found = str(row["status"]) if row is not None else "missing"
+    if found == working and row is not None:
+        return row
     failed = found in TERMINAL and found != READY
     raise SkipJob(f"file found {found}", {"file_id": p.file_id, "name": p.name, "failed": failed})
 
