@@ -9,14 +9,16 @@ the chord does. The chord callback and the reconciler only call :func:`try_compl
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, bindparam, delete, insert, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db.dialect import db_now
-from tasks.files.models import CANCELLED, FAILED, READY, TERMINAL, batches, files
+from tasks.files.chunking import Chunk
+from tasks.files.embedding import Embedder, pack
+from tasks.files.models import CANCELLED, FAILED, READY, TERMINAL, batches, chunks, files
 
 Emit = Callable[[str, Mapping[str, Any]], None]
 
@@ -161,6 +163,33 @@ def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
         return False
     emit("batch.completed", {"batch_id": batch_id, **dict(row)})
     return True
+
+
+def replace_chunks(conn: Connection, file_id: str, owner: str, pieces: Sequence[Chunk]) -> None:
+    """The file's chunk rows become ``pieces``: a rerun replaces them, never duplicates."""
+    conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
+    if pieces:
+        conn.execute(
+            insert(chunks),
+            [{"file_id": file_id, "owner": owner, "ordinal": c.ordinal, "text": c.text} for c in pieces],
+        )
+
+
+def embed_chunks(conn: Connection, file_id: str, embedder: Embedder) -> int:
+    """Embed the file's chunks and store their vectors (one round trip); returns how many."""
+    rows = conn.execute(
+        select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == file_id).order_by(chunks.c.ordinal)
+    ).all()
+    if rows:  # psycopg pipelines the executemany
+        vectors = embedder.embed([r.text for r in rows])
+        conn.execute(
+            update(chunks).where(chunks.c.id == bindparam("chunk_id")),
+            [
+                {"chunk_id": r.id, "embedding": pack(v), "model": embedder.name}
+                for r, v in zip(rows, vectors, strict=True)
+            ],
+        )
+    return len(rows)
 
 
 def batch_summary(conn: Connection, batch_id: str) -> RowMapping | None:

@@ -15,7 +15,7 @@ from functools import cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Connection, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, select
 
 from config.celery_app import platform
 from config.settings import Settings, get_settings
@@ -26,9 +26,9 @@ from conveyor.retry import Backoff
 from conveyor.store import new_event
 from tasks.files import flow
 from tasks.files.chunking import chunk_text
-from tasks.files.embedding import Embedder, load_embedder, pack
+from tasks.files.embedding import Embedder, load_embedder
 from tasks.files.extract import Limits, extract
-from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, QUEUED, READY, TERMINAL, chunks
+from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, QUEUED, READY, TERMINAL
 from tasks.files.storage import Storage, storage_for
 
 QUEUE = "files"
@@ -82,16 +82,12 @@ def _on_dead(stage: str) -> Any:
     def hook(conn: Connection, payload: Any, error: BaseException) -> dict[str, Any]:
         file_id = str((payload or {}).get("file_id", ""))
         message = (str(error).strip() or type(error).__name__)[:500]
-
-        def emit(topic: str, body: Any) -> None:
-            platform.store.emit(conn, [new_event(None, topic, dict(body))])
-
         flow.transition(
             conn,
             file_id,
             [QUEUED, EXTRACTING, CHUNKING, EMBEDDING],
             FAILED,
-            emit,
+            _db_emit(conn),
             error=message,
             error_type=type(error).__name__,
             failed_stage=stage,
@@ -125,7 +121,7 @@ def _on_stalled(stage: str) -> Any:
             "stage": stage,
             "retry_count": attempts,
         }
-        platform.store.emit(conn, [new_event(None, "file.processing_stalled", body)])
+        _db_emit(conn)("file.processing_stalled", body)
 
     return hook
 
@@ -164,19 +160,24 @@ def _db_emit(conn: Connection) -> flow.Emit:
     return lambda topic, body: platform.store.emit(conn, [new_event(None, topic, dict(body))])
 
 
-@platform.stage(
-    "conveyor.files.extract",
-    payload=FileRef,
-    queue=QUEUE,
-    retry=RETRY,
-    max_attempts=ATTEMPTS,
-    soft_time_limit=get_settings().files.extract_soft_time_limit,
-    label=_label,
-    concurrency=get_settings().files.concurrency.get("extract"),
-    on_dead=_on_dead("extract"),
-    on_retry=_on_retry("extract"),
-    on_stalled=_on_stalled("extract"),
-)
+def _file_stage(verb: str, **policy: Any) -> Any:
+    """The policy every per-file stage shares; ``policy`` adds to it."""
+    return platform.stage(
+        f"conveyor.files.{verb}",
+        payload=FileRef,
+        queue=QUEUE,
+        retry=RETRY,
+        max_attempts=ATTEMPTS,
+        label=_label,
+        concurrency=get_settings().files.concurrency.get(verb),
+        on_dead=_on_dead(verb),
+        on_retry=_on_retry(verb),
+        on_stalled=_on_stalled(verb),
+        **policy,
+    )
+
+
+@_file_stage("extract", soft_time_limit=get_settings().files.extract_soft_time_limit)
 def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Read the content by reference and extract its text (PDF, DOCX, HTML, Markdown, text)."""
     row = _begin(ctx, p, (QUEUED,), EXTRACTING)
@@ -195,66 +196,24 @@ def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     return {"file_id": p.file_id, "name": p.name}
 
 
-@platform.stage(
-    "conveyor.files.chunk",
-    payload=FileRef,
-    queue=QUEUE,
-    retry=RETRY,
-    max_attempts=ATTEMPTS,
-    label=_label,
-    concurrency=get_settings().files.concurrency.get("chunk"),
-    on_dead=_on_dead("chunk"),
-    on_retry=_on_retry("chunk"),
-    on_stalled=_on_stalled("chunk"),
-)
+@_file_stage("chunk")
 def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Split the text into overlapping, token-bounded chunks."""
     row = _begin(ctx, p, (), CHUNKING)
     conn = ctx.connection
     settings = _settings().files
     pieces = chunk_text(row["text"] or "", max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap)
-    conn.execute(delete(chunks).where(chunks.c.file_id == p.file_id))  # a rerun replaces, never duplicates
-    if pieces:
-        conn.execute(
-            insert(chunks),
-            [
-                {"file_id": p.file_id, "owner": row["owner"], "ordinal": c.ordinal, "text": c.text}
-                for c in pieces
-            ],
-        )
+    flow.replace_chunks(conn, p.file_id, row["owner"], pieces)
     flow.transition(conn, p.file_id, [CHUNKING], EMBEDDING, _emitter(ctx), chunk_count=len(pieces))
     return {"file_id": p.file_id, "name": p.name}
 
 
-@platform.stage(
-    "conveyor.files.embed",
-    payload=FileRef,
-    queue=QUEUE,
-    retry=RETRY,
-    max_attempts=ATTEMPTS,
-    label=_label,
-    concurrency=get_settings().files.concurrency.get("embed"),
-    on_dead=_on_dead("embed"),
-    on_retry=_on_retry("embed"),
-    on_stalled=_on_stalled("embed"),
-)
+@_file_stage("embed")
 def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """Embed every chunk and mark the file ``ready`` (counted in its batch)."""
     _begin(ctx, p, (), EMBEDDING)
     conn = ctx.connection
-    rows = conn.execute(
-        select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == p.file_id).order_by(chunks.c.ordinal)
-    ).all()
-    embedder = _embedder(_settings().files.embedder)
-    vectors = embedder.embed([r.text for r in rows]) if rows else []
-    if rows:  # one round trip (psycopg pipelines executemany)
-        conn.execute(
-            update(chunks).where(chunks.c.id == bindparam("chunk_id")),
-            [
-                {"chunk_id": r.id, "embedding": pack(v), "model": embedder.name}
-                for r, v in zip(rows, vectors, strict=True)
-            ],
-        )
+    flow.embed_chunks(conn, p.file_id, _embedder(_settings().files.embedder))
     before = flow.transition(conn, p.file_id, [EMBEDDING], READY, _emitter(ctx))
     if before is None:
         raise SkipJob("file left embedding meanwhile", {"file_id": p.file_id, "name": p.name})
