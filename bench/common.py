@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
+import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,7 +17,12 @@ from typing import TYPE_CHECKING
 from redis import Redis
 
 if TYPE_CHECKING:
+    from celery import Celery
+
     from conveyor.platform import Platform
+    from conveyor.settings import ConveyorSettings
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379"
 DEFAULT_PG = "postgresql://postgres@127.0.0.1:5432"
@@ -89,3 +98,127 @@ def open_platform() -> Platform:
     platform.app.loader.import_default_modules()
     upgrade(platform.engine)
     return platform
+
+
+# kombu's Redis transport keeps delivered-but-unacked messages here (acks_late).
+UNACKED_KEYS = ("unacked", "unacked_index")
+READY_TIMEOUT = 60.0
+POLL_INTERVAL = 0.05
+
+
+@dataclass
+class RunResult:
+    """One timed run of one side."""
+
+    side: str
+    n: int
+    seconds: float
+    submit_seconds: float
+
+    @property
+    def per_second(self) -> float:
+        """Items per second, submission included."""
+        return self.n / self.seconds
+
+
+@dataclass
+class BenchWorker:
+    """A benchmark's real ``celery worker -P prefork`` subprocess, one at a time."""
+
+    home: Path
+    proc: subprocess.Popen[bytes] | None = None
+    name: str = "worker"
+
+    @property
+    def logs(self) -> Path:
+        """Where the workers' logs go (kept when a benchmark fails)."""
+        return self.home / "logs"
+
+    def start(
+        self,
+        settings: ConveyorSettings,
+        app: Celery,
+        *,
+        name: str,
+        queues: Sequence[str],
+        concurrency: int,
+        extra_env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+    ) -> str:
+        """Start the worker for ``settings.app`` and wait until it answers a ping.
+
+        Returns its hostname. ``name`` labels its hostname and its log file.
+        """
+        from conveyor.procs import start_worker
+
+        if self.proc is not None:
+            raise BenchError("a worker is already running")
+        self.name = name
+        hostname = f"bench-{name}-{os.getpid()}@{socket.gethostname()}"
+        self.logs.mkdir(exist_ok=True)
+        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+        self.proc = start_worker(
+            settings,
+            queues=queues,
+            concurrency=concurrency,
+            hostname=hostname,
+            log_path=self.logs / f"{name}.log",
+            extra_env={**(extra_env or {}), "PYTHONPATH": pythonpath},
+            extra_args=extra_args,
+        )
+        deadline = time.monotonic() + READY_TIMEOUT
+        while time.monotonic() < deadline:
+            self.check()
+            if app.control.ping(destination=[hostname], timeout=0.5):
+                return hostname
+        raise BenchError(f"{name} worker did not answer a ping within {READY_TIMEOUT}s; see {self.logs}")
+
+    def check(self) -> None:
+        """Fail fast when the worker died under the run."""
+        if self.proc is not None and self.proc.poll() is not None:
+            raise BenchError(f"{self.name} worker exited with {self.proc.returncode}; see {self.logs}")
+
+    def stop(self) -> None:
+        """Warm-stop the worker, if one runs."""
+        from conveyor.procs import stop
+
+        if self.proc is None:
+            return
+        try:
+            code = stop(self.proc)
+        finally:
+            self.proc = None
+        if code != 0:
+            log(f"  {self.name} worker exited with {code}")
+
+
+def backlog(redis: Redis, queues: Sequence[str]) -> int:
+    """Messages waiting in ``queues`` plus delivered-but-unacked ones."""
+    pipe = redis.pipeline()
+    for queue in queues:
+        pipe.llen(queue)
+    pipe.hlen(UNACKED_KEYS[0])
+    pipe.zcard(UNACKED_KEYS[1])
+    return int(sum(pipe.execute()))
+
+
+def wait_drained(redis: Redis, queues: Sequence[str], timeout: float = 30.0) -> None:
+    """Wait until ``queues`` and the unacked set are empty (the last ack reached Redis)."""
+    deadline = time.monotonic() + timeout
+    while left := backlog(redis, queues):
+        if time.monotonic() > deadline:
+            raise BenchError(f"queues {', '.join(queues)} not drained: {left} messages left")
+        time.sleep(POLL_INTERVAL)
+
+
+def check_all_succeeded(platform: Platform, expected: int) -> None:
+    """Every job this benchmark submitted ended ``succeeded``; nothing in the DLQ."""
+    from sqlalchemy import func, select
+
+    from conveyor.db.schema import dead_letters
+
+    with platform.engine.connect() as conn:
+        counts = platform.store.count_by_status(conn)
+        dead = int(conn.execute(select(func.count()).select_from(dead_letters)).scalar_one())
+    if counts != {"succeeded": expected} or dead:
+        raise BenchError(f"expected {expected} succeeded jobs, found {counts} and {dead} dead letters")

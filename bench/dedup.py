@@ -34,32 +34,27 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare
+from bench.common import ROOT, BenchError, BenchWorker, add_service_args, log, open_platform, prepare
 
 if TYPE_CHECKING:
     from conveyor.handle import JobHandle
     from conveyor.platform import Platform
 
-ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "demo"
 NOOP = "conveyor.demo.noop"
 EFFECT = "conveyor.demo.effect"
 REDIS_DB = 14
 DATABASE = "conveyor_bench_dedup"
-READY_TIMEOUT = 60.0
 STRAGGLER_WAIT = 2.0
 BLOCK = 100  # interleaving block of the new-submit sides
 NEW_KEY_BASE = 1_000_000  # distinct from the duplicate phase's n=1
@@ -89,44 +84,22 @@ class DedupBench:
     warmup: int
     burst: int
     threads: int
-    worker: subprocess.Popen[bytes] | None = None
+    worker: BenchWorker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = BenchWorker(self.home)
 
     # -- workers ---------------------------------------------------------------------
 
     def start_worker(self) -> None:
         """Start one prefork worker on ``demo`` (2 slots) and wait until it answers a ping."""
-        from conveyor.procs import start_worker
-
-        hostname = f"bench-dedup-{os.getpid()}@{socket.gethostname()}"
-        logs = self.home / "logs"
-        logs.mkdir(exist_ok=True)
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.worker = start_worker(
-            self.platform.settings,
-            queues=[QUEUE],
-            concurrency=2,
-            hostname=hostname,
-            log_path=logs / "worker.log",
-            extra_env={"PYTHONPATH": pythonpath},
+        self.worker.start(
+            self.platform.settings, self.platform.app, name="dedup", queues=[QUEUE], concurrency=2
         )
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.worker.poll() is not None:
-                raise BenchError(f"worker exited with {self.worker.returncode}; see {logs}")
-            if self.platform.app.control.ping(destination=[hostname], timeout=0.5):
-                return
-        raise BenchError(f"worker did not answer a ping within {READY_TIMEOUT}s; see {logs}")
 
     def stop_worker(self) -> None:
         """Warm-stop the worker, if one runs."""
-        from conveyor.procs import stop
-
-        if self.worker is None:
-            return
-        code = stop(self.worker)
-        self.worker = None
-        if code != 0:
-            log(f"  worker exited with {code}")
+        self.worker.stop()
 
     # -- burst -----------------------------------------------------------------------
 
@@ -138,7 +111,7 @@ class DedupBench:
         from conveyor.dedup import Dedup
         from tasks.demo.models import effects
 
-        if self.worker is not None:
+        if self.worker.proc is not None:
             raise BenchError("the burst needs every worker stopped")
         note = f"burst-{uuid.uuid4().hex[:12]}"
         policy = Dedup(mode="simple", key="bench:{note}")

@@ -53,9 +53,7 @@ import argparse
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,15 +65,28 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, chain, chord, group
 from celery.result import AsyncResult
 from kombu.entity import Exchange, Queue
-from sqlalchemy import Engine, delete, func, insert, select, update
+from sqlalchemy import Engine, func, select, update
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare
+from bench.common import (
+    POLL_INTERVAL,
+    ROOT,
+    BenchError,
+    BenchWorker,
+    RunResult,
+    add_service_args,
+    backlog,
+    check_all_succeeded,
+    log,
+    open_platform,
+    prepare,
+    wait_drained,
+)
 from config.settings import Settings
 from conveyor.celeryconfig import celery_config
 from conveyor.db.dialect import db_now
 from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
-from tasks.files.embedding import Embedder, load_embedder, pack
+from tasks.files.embedding import Embedder, load_embedder
 from tasks.files.extract import Extracted, Limits, extract
 from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, files
 from tasks.files.storage import storage_for
@@ -87,9 +98,9 @@ if TYPE_CHECKING:
     from conveyor.settings import ConveyorSettings
     from pipelines.files import Upload
 
-ROOT = Path(__file__).resolve().parent.parent
 TRACKED_QUEUE = "files"
 RAW_QUEUE = "files_raw"
+QUEUES = (TRACKED_QUEUE, RAW_QUEUE)
 RAW_APP = "bench.files:raw_app"
 REDIS_DB = 13
 DATABASE = "conveyor_bench_files"
@@ -99,15 +110,10 @@ RAW_OWNER = "bench-raw"
 DEFAULT_N = 1000
 SMOKE_N = 40
 DEFAULT_CONCURRENCY = 4
-POLL_INTERVAL = 0.05
-READY_TIMEOUT = 60.0
 IDLE_PAUSE = 0.5
 JOBS_PER_FILE = 3  # extract, chunk, embed; plus one complete_batch job per batch
-NON_TERMINAL = ("queued", "running", "retrying", "waiting_lease")
 # Passed to both workers after ``--`` (Celery's command-line config, namespace ``worker``).
 NO_RATE_LIMITS = ("--", "worker_disable_rate_limits=true")
-# kombu's Redis transport keeps delivered-but-unacked messages here (acks_late).
-UNACKED_KEYS = ("unacked", "unacked_index")
 
 
 # -- the work itself: what a stage body does, shared by the raw tasks -------------------
@@ -196,15 +202,7 @@ def raw_chunk(file_id: str) -> str:
         if row is None:
             raise LookupError(f"file {file_id} not found")
         pieces = split(settings, row["text"] or "")
-        conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
-        if pieces:
-            conn.execute(
-                insert(chunks),
-                [
-                    {"file_id": file_id, "owner": row["owner"], "ordinal": c.ordinal, "text": c.text}
-                    for c in pieces
-                ],
-            )
+        flow.replace_chunks(conn, file_id, row["owner"], pieces)
         conn.execute(
             update(files)
             .where(files.c.id == file_id)
@@ -218,15 +216,7 @@ def raw_embed(file_id: str) -> str:
     """Write one vector per chunk and mark the file ready; the raw counterpart of ``embed_stage``."""
     settings = worker_settings()
     with worker_engine().begin() as conn:
-        rows = conn.execute(
-            select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == file_id).order_by(chunks.c.ordinal)
-        ).all()
-        embedder = embedder_named(settings.files.embedder)
-        vectors = embedder.embed([r.text for r in rows]) if rows else []
-        for r, v in zip(rows, vectors, strict=True):
-            conn.execute(
-                update(chunks).where(chunks.c.id == r.id).values(embedding=pack(v), model=embedder.name)
-            )
+        flow.embed_chunks(conn, file_id, embedder_named(settings.files.embedder))
         conn.execute(update(files).where(files.c.id == file_id).values(status=READY, updated_at=db_now()))
     return file_id
 
@@ -333,21 +323,6 @@ def make_documents(n: int, seed: int) -> list[Upload]:
 
 
 @dataclass
-class RunResult:
-    """One timed run of one side."""
-
-    side: str
-    n: int
-    seconds: float
-    submit_seconds: float
-
-    @property
-    def per_second(self) -> float:
-        """Files per second, upload and submission included."""
-        return self.n / self.seconds
-
-
-@dataclass
 class Bench:
     """Everything one benchmark invocation needs: services, platform, options."""
 
@@ -356,46 +331,31 @@ class Bench:
     n: int
     concurrency: int
     home: Path
-    worker: subprocess.Popen[bytes] | None = None
     tracked_jobs: int = 0
     tracked_batches: int = 0
     results: list[RunResult] = field(default_factory=list)
+    worker: BenchWorker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = BenchWorker(self.home)
 
     # -- workers ---------------------------------------------------------------------
 
     def start_worker(self, side: str, run: int) -> str:
         """Start the worker of ``side`` (only one at a time) and wait until it answers."""
-        from conveyor.procs import start_worker
-
-        if self.worker is not None:
-            raise BenchError("a worker is already running")
-        settings = self.platform.settings
-        app = self.platform.app
-        queue = TRACKED_QUEUE
+        settings, app, queue = self.platform.settings, self.platform.app, TRACKED_QUEUE
         if side == "raw":
-            settings = settings.model_copy(update={"app": RAW_APP})
-            app, queue = raw_app, RAW_QUEUE
-        hostname = f"bench-files-{side}-{run}-{os.getpid()}@{socket.gethostname()}"
-        logs = self.home / "logs"
-        logs.mkdir(exist_ok=True)
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.worker = start_worker(
+            settings, app, queue = settings.model_copy(update={"app": RAW_APP}), raw_app, RAW_QUEUE
+        hostname = self.worker.start(
             settings,
+            app,
+            name=f"files-{side}-{run}",
             queues=[queue],
             concurrency=self.concurrency,
-            hostname=hostname,
-            log_path=logs / f"{side}-{run}.log",
-            extra_env={"PYTHONPATH": pythonpath},
             extra_args=NO_RATE_LIMITS,
         )
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.worker.poll() is not None:
-                raise BenchError(f"{side} worker exited with {self.worker.returncode}; see {logs}")
-            if app.control.ping(destination=[hostname], timeout=0.5):
-                self.check_worker_conf(app, hostname)
-                return hostname
-        raise BenchError(f"{side} worker did not answer a ping within {READY_TIMEOUT}s; see {logs}")
+        self.check_worker_conf(app, hostname)
+        return hostname
 
     @staticmethod
     def check_worker_conf(app: Celery, hostname: str) -> None:
@@ -407,41 +367,12 @@ class Bench:
 
     def stop_worker(self) -> None:
         """Warm-stop the running worker, after its last ack reached Redis."""
-        from conveyor.procs import stop
-
-        if self.worker is None:
+        if self.worker.proc is None:
             return
         try:
-            self.wait_drained()
+            wait_drained(self.redis, QUEUES)
         finally:
-            code = stop(self.worker)
-            self.worker = None
-        if code != 0:
-            log(f"  worker exited with {code}")
-
-    def check_worker_alive(self, side: str) -> None:
-        """Fail fast when the worker died under the run."""
-        if self.worker is not None and self.worker.poll() is not None:
-            raise BenchError(f"{side} worker died with {self.worker.returncode}")
-
-    # -- queue hygiene ---------------------------------------------------------------
-
-    def backlog(self) -> int:
-        """Messages waiting in either queue plus delivered-but-unacked ones."""
-        pipe = self.redis.pipeline()
-        pipe.llen(TRACKED_QUEUE)
-        pipe.llen(RAW_QUEUE)
-        pipe.hlen(UNACKED_KEYS[0])
-        pipe.zcard(UNACKED_KEYS[1])
-        return int(sum(pipe.execute()))
-
-    def wait_drained(self, timeout: float = 30.0) -> None:
-        """Wait until the queues and the unacked set are empty."""
-        deadline = time.monotonic() + timeout
-        while self.backlog():
-            if time.monotonic() > deadline:
-                raise BenchError(f"queues not drained: {self.backlog()} messages left")
-            time.sleep(POLL_INTERVAL)
+            self.worker.stop()
 
     def timeout(self, n: int) -> float:
         """How long a batch of ``n`` files may take before the run is declared broken."""
@@ -480,7 +411,7 @@ class Bench:
         """
         from conveyor.db.schema import TERMINAL, jobs
 
-        pending = select(func.count()).select_from(jobs).where(jobs.c.status.in_(NON_TERMINAL))
+        pending = select(func.count()).select_from(jobs).where(jobs.c.status.not_in(sorted(TERMINAL)))
         bodies = (
             select(func.count())
             .select_from(jobs)
@@ -492,18 +423,6 @@ class Bench:
                 str(status),
                 int(conn.execute(pending).scalar_one()),
                 int(conn.execute(bodies).scalar_one()),
-            )
-
-    def check_all_succeeded(self) -> None:
-        """Every job ever submitted by this bench ended ``succeeded``; nothing in the DLQ."""
-        from conveyor.db.schema import dead_letters
-
-        with self.platform.engine.connect() as conn:
-            counts = self.platform.store.count_by_status(conn)
-            dead = int(conn.execute(select(func.count()).select_from(dead_letters)).scalar_one())
-        if counts != {"succeeded": self.tracked_jobs} or dead:
-            raise BenchError(
-                f"expected {self.tracked_jobs} succeeded jobs, found {counts} and {dead} dead letters"
             )
 
     def tracked_batch(self, items: Sequence[Upload]) -> tuple[float, float, float]:
@@ -526,10 +445,10 @@ class Bench:
                     break
             if time.monotonic() > deadline:
                 raise BenchError(f"tracked batch {status} with {pending} jobs pending after the timeout")
-            self.check_worker_alive("tracked")
+            self.worker.check()
             time.sleep(POLL_INTERVAL)
         self.check_batch(batch_id, len(items))
-        self.check_all_succeeded()
+        check_all_succeeded(self.platform, self.tracked_jobs)
         return submitted - start, completed - start, now - start
 
     def run_tracked(self, run: int) -> RunResult:
@@ -537,7 +456,7 @@ class Bench:
         self.start_worker("tracked", run)
         try:
             self.tracked_batch(make_documents(2 * self.concurrency, seed=-1 - run))
-            self.wait_drained()
+            wait_drained(self.redis, QUEUES)
             items = make_documents(self.n, seed=run)
             time.sleep(IDLE_PAUSE)
             submitted, completed, done = self.tracked_batch(items)
@@ -571,7 +490,7 @@ class Bench:
         while not result.ready():
             if time.monotonic() > deadline:
                 raise BenchError(f"raw chord not done after {self.timeout(len(items)):.0f}s")
-            self.check_worker_alive("raw")
+            self.worker.check()
             time.sleep(POLL_INTERVAL)
         end = time.perf_counter()
         if not result.successful():
@@ -589,7 +508,7 @@ class Bench:
         self.start_worker("raw", run)
         try:
             self.raw_batch(make_documents(2 * self.concurrency, seed=-1 - run))
-            self.wait_drained()
+            wait_drained(self.redis, QUEUES)
             items = make_documents(self.n, seed=run)
             time.sleep(IDLE_PAUSE)
             submitted, end = self.raw_batch(items)
@@ -607,7 +526,7 @@ class Bench:
         ]
         for run in range(runs):
             for side, fn in sides:
-                if self.backlog():
+                if backlog(self.redis, QUEUES):
                     raise BenchError(f"queues not empty before the {side} run")
                 result = fn(run)
                 self.results.append(result)

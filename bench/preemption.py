@@ -47,12 +47,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
-import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 import uuid
@@ -61,18 +58,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare
+from bench.common import ROOT, BenchError, BenchWorker, add_service_args, log, open_platform, prepare
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
 
-ROOT = Path(__file__).resolve().parent.parent
 QUEUES = ["priority", "demo"]
 SYNC = "conveyor.demo.sync"
 WRITE = "conveyor.demo.write"
 REDIS_DB = 15
 DATABASE = "conveyor_bench_preempt"
-READY_TIMEOUT = 60.0
 HOLDER_POLL = 0.005
 MARKER_POLL = 0.002
 START_TIMEOUT = 60.0
@@ -111,49 +106,32 @@ class PreemptionBench:
     phase_ms: float = 0.0
     recancels: int = 0
     escalations: int = 0
-    worker: subprocess.Popen[bytes] | None = None
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    worker: BenchWorker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = BenchWorker(self.home)
 
     # -- worker ----------------------------------------------------------------------
 
     def start_worker(self) -> None:
         """Start the 2-slot prefork worker and wait until it answers a ping."""
-        from conveyor.procs import start_worker
-
-        hostname = f"bench-preempt-{os.getpid()}@{socket.gethostname()}"
-        logs = self.home / "logs"
-        logs.mkdir(exist_ok=True)
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.worker = start_worker(
+        self.worker.start(
             self.platform.settings,
+            self.platform.app,
+            name="preempt",
             queues=QUEUES,
             concurrency=2,
-            hostname=hostname,
-            log_path=logs / "worker.log",
-            extra_env={**WORKER_ENV, "PYTHONPATH": pythonpath},
+            extra_env=WORKER_ENV,
         )
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            self.check_worker()
-            if self.platform.app.control.ping(destination=[hostname], timeout=0.5):
-                return
-        raise BenchError(f"worker did not answer a ping within {READY_TIMEOUT}s; see {logs}")
 
     def check_worker(self) -> None:
         """Fail fast if the worker died."""
-        if self.worker is not None and self.worker.poll() is not None:
-            raise BenchError(f"worker exited with {self.worker.returncode}; see {self.home / 'logs'}")
+        self.worker.check()
 
     def stop_worker(self) -> None:
         """Warm-stop the worker, if one runs."""
-        from conveyor.procs import stop
-
-        if self.worker is None:
-            return
-        code = stop(self.worker)
-        self.worker = None
-        if code != 0:
-            log(f"  worker exited with {code}")
+        self.worker.stop()
 
     # -- database probes -------------------------------------------------------------
 

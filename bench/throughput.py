@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,7 +44,20 @@ from typing import TYPE_CHECKING, TypeVar
 from celery import Celery
 from celery.result import AsyncResult
 
-from bench.common import BenchError, add_service_args, log, open_platform, prepare
+from bench.common import (
+    POLL_INTERVAL,
+    ROOT,
+    BenchError,
+    BenchWorker,
+    RunResult,
+    add_service_args,
+    backlog,
+    check_all_succeeded,
+    log,
+    open_platform,
+    prepare,
+    wait_drained,
+)
 from config.queues import DEFAULT_QUEUE, QUEUES
 from conveyor.celeryconfig import celery_config
 
@@ -56,20 +67,14 @@ if TYPE_CHECKING:
     from conveyor.platform import Platform
     from conveyor.settings import ConveyorSettings
 
-ROOT = Path(__file__).resolve().parent.parent
 QUEUE = "demo"
 TRACKED_STAGE = "conveyor.demo.noop"
 RAW_TASK = "bench.raw.noop"
 RAW_APP = "bench.throughput:raw_app"
 REDIS_DB = 12
 DATABASE = "conveyor_bench"
-POLL_INTERVAL = 0.05
 SMOKE_N = 50
-READY_TIMEOUT = 60.0
 IDLE_PAUSE = 0.5
-NON_TERMINAL = ("queued", "running", "retrying")
-# kombu's Redis transport keeps delivered-but-unacked messages here (acks_late).
-UNACKED_KEYS = ("unacked", "unacked_index")
 
 
 # -- the raw side: a plain Celery app and task, nothing from Conveyor's runtime ----------
@@ -101,21 +106,6 @@ if os.environ.get("CONVEYOR_REDIS_URL"):
 
 
 @dataclass
-class RunResult:
-    """One timed run of one side."""
-
-    side: str
-    n: int
-    seconds: float
-    submit_seconds: float
-
-    @property
-    def per_second(self) -> float:
-        """Throughput of the run, submission included."""
-        return self.n / self.seconds
-
-
-@dataclass
 class Bench:
     """Everything one benchmark invocation needs: services, platform, options."""
 
@@ -125,73 +115,41 @@ class Bench:
     concurrency: int
     home: Path
     submitters: int = 4
-    worker: subprocess.Popen[bytes] | None = None
     results: list[RunResult] = field(default_factory=list)
+    worker: BenchWorker = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker = BenchWorker(self.home)
 
     # -- workers ---------------------------------------------------------------------
 
     def start_worker(self, side: str, run: int) -> str:
         """Start the worker of ``side`` (only one at a time) and wait until it answers."""
-        from conveyor.procs import start_worker
-
-        if self.worker is not None:
-            raise BenchError("a worker is already running")
-        settings = self.platform.settings
-        app = self.platform.app
+        settings, app = self.platform.settings, self.platform.app
         if side == "raw":
-            settings = settings.model_copy(update={"app": RAW_APP})
-            app = raw_app
-        hostname = f"bench-{side}-{run}-{os.getpid()}@{socket.gethostname()}"
-        logs = self.home / "logs"
-        logs.mkdir(exist_ok=True)
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-        self.worker = start_worker(
-            settings,
-            queues=[QUEUE],
-            concurrency=self.concurrency,
-            hostname=hostname,
-            log_path=logs / f"{side}-{run}.log",
-            extra_env={"PYTHONPATH": pythonpath},
+            settings, app = settings.model_copy(update={"app": RAW_APP}), raw_app
+        return self.worker.start(
+            settings, app, name=f"{side}-{run}", queues=[QUEUE], concurrency=self.concurrency
         )
-        deadline = time.monotonic() + READY_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.worker.poll() is not None:
-                raise BenchError(f"{side} worker exited with {self.worker.returncode}; see {logs}")
-            if app.control.ping(destination=[hostname], timeout=0.5):
-                return hostname
-        raise BenchError(f"{side} worker did not answer a ping within {READY_TIMEOUT}s; see {logs}")
 
     def stop_worker(self) -> None:
         """Warm-stop the running worker, after its last ack reached Redis."""
-        from conveyor.procs import stop
-
-        if self.worker is None:
+        if self.worker.proc is None:
             return
         try:
             self.wait_drained()
         finally:
-            code = stop(self.worker)
-            self.worker = None
-        if code != 0:
-            log(f"  worker exited with {code}")
+            self.worker.stop()
 
     # -- queue hygiene ---------------------------------------------------------------
 
     def backlog(self) -> int:
         """Messages waiting in the queue plus delivered-but-unacked ones."""
-        pipe = self.redis.pipeline()
-        pipe.llen(QUEUE)
-        pipe.hlen(UNACKED_KEYS[0])
-        pipe.zcard(UNACKED_KEYS[1])
-        return int(sum(pipe.execute()))
+        return backlog(self.redis, [QUEUE])
 
     def wait_drained(self, timeout: float = 30.0) -> None:
         """Wait until the queue and the unacked set are empty."""
-        deadline = time.monotonic() + timeout
-        while self.backlog():
-            if time.monotonic() > deadline:
-                raise BenchError(f"queue {QUEUE!r} not drained: {self.backlog()} messages left")
-            time.sleep(POLL_INTERVAL)
+        wait_drained(self.redis, [QUEUE], timeout)
 
     # -- tracked side ----------------------------------------------------------------
 
@@ -199,9 +157,9 @@ class Bench:
         """Jobs not yet terminal (a COUNT by status; the status index answers it)."""
         from sqlalchemy import func, select
 
-        from conveyor.db.schema import jobs
+        from conveyor.db.schema import TERMINAL, jobs
 
-        q = select(func.count()).select_from(jobs).where(jobs.c.status.in_(NON_TERMINAL))
+        q = select(func.count()).select_from(jobs).where(jobs.c.status.not_in(sorted(TERMINAL)))
         with self.platform.engine.connect() as conn:
             return int(conn.execute(q).scalar_one())
 
@@ -211,21 +169,8 @@ class Bench:
         while self.non_terminal():
             if time.monotonic() > deadline:
                 raise BenchError(f"{self.non_terminal()} tracked jobs not terminal after {timeout:.0f}s")
-            if self.worker is not None and self.worker.poll() is not None:
-                raise BenchError(f"tracked worker died with {self.worker.returncode}")
+            self.worker.check()
             time.sleep(POLL_INTERVAL)
-
-    def check_all_succeeded(self, expected: int) -> None:
-        """Every job ever submitted by this bench ended ``succeeded``; nothing in the DLQ."""
-        from sqlalchemy import func, select
-
-        from conveyor.db.schema import dead_letters
-
-        with self.platform.engine.connect() as conn:
-            counts = self.platform.store.count_by_status(conn)
-            dead = int(conn.execute(select(func.count()).select_from(dead_letters)).scalar_one())
-        if counts != {"succeeded": expected} or dead:
-            raise BenchError(f"expected {expected} succeeded jobs, found {counts} and {dead} dead letters")
 
     def submit_tracked(self, count: int) -> None:
         """Submit ``count`` no-op jobs through the platform, from ``submitters`` threads."""
@@ -247,7 +192,7 @@ class Bench:
             submitted = time.perf_counter()
             self.wait_terminal(timeout=max(120.0, self.n * 0.2))
             end = time.perf_counter()
-            self.check_all_succeeded(expected)
+            check_all_succeeded(self.platform, expected)
         finally:
             self.stop_worker()
         return RunResult("tracked", self.n, end - start, submitted - start)
