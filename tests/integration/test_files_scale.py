@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -15,28 +14,20 @@ from moto.server import ThreadedMotoServer
 from sqlalchemy import func, select
 
 from conveyor.db import schema as s
-from conveyor.db.schema import job_events, jobs
+from conveyor.db.schema import jobs
 from pipelines.files import Upload, confirm, process_batch, search, upload
-from tasks.files.models import batches, chunks, files
+from tasks.files.models import chunks, files
 from tasks.files.storage import S3Settings
 from tests.helpers import eventually
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "files"
-
-TOPICS = {
-    "beekeeping": "Beekeepers inspect the brood frames every week, checking the queen, the honey stores and "
-    "signs of varroa mites before the summer nectar flow.",
-    "lighthouses": "The lighthouse keeper trimmed the wick, polished the Fresnel lens and logged passing "
-    "schooners while the foghorn sounded across the rocky headland.",
-    "sourdough": "A sourdough starter of rye flour and water ferments for days; wild yeast and lactobacilli "
-    "leaven the dough, which is folded, proofed overnight and baked in a Dutch oven.",
-    "volcanoes": "Basaltic lava fountains erupted from the fissure; seismometers recorded tremor while "
-    "volcanologists sampled sulfur dioxide near the caldera rim.",
-    "chess": "The grandmaster sacrificed a knight on f7, opened the king's diagonal and converted the "
-    "endgame with two connected passed pawns against a lone rook.",
-    "orchids": "Epiphytic orchids cling to rainforest branches with aerial roots coated in velamen, "
-    "absorbing mist while pollinating euglossine bees visit the fragrant blossoms.",
-}
+from tests.integration.files_support import (
+    FIXTURES,
+    TOPICS,
+    batch_row,
+    completed,
+    completed_events,
+    docs,
+    file_row,
+)
 
 FILE_STAGES = ("conveyor.files.extract", "conveyor.files.chunk", "conveyor.files.embed")
 COMPLETE_BATCH = "conveyor.files.complete_batch"
@@ -79,46 +70,9 @@ MARKERS = {
 }
 
 
-def _docs(n: int, tag: str) -> list[Upload]:
-    names = list(TOPICS)
-    return [
-        Upload(
-            f"{tag}-{i:03d}-{names[i % len(names)]}.txt",
-            (TOPICS[names[i % len(names)]] + f" Note {i}.").encode(),
-        )
-        for i in range(n)
-    ]
-
-
-def _completed_events(platform: Any, batch_id: str) -> int:
-    with platform.engine.connect() as conn:
-        rows = conn.execute(
-            select(job_events.c.body).where(job_events.c.topic == "batch.completed")
-        ).scalars()
-        return sum(1 for body in rows if body.get("batch_id") == batch_id)
-
-
-def _batch(platform: Any, batch_id: str) -> Any:
-    with platform.engine.connect() as conn:
-        return conn.execute(select(batches).where(batches.c.id == batch_id)).mappings().one()
-
-
-def _completed(platform: Any, batch_id: str, timeout: float) -> Any:
-    return eventually(
-        lambda: (b := _batch(platform, batch_id))["status"] == "completed" and b,
-        timeout=timeout,
-        interval=0.5,
-    )
-
-
 def _files_of(platform: Any, batch_id: str) -> list[Any]:
     with platform.engine.connect() as conn:
         return list(conn.execute(select(files).where(files.c.batch_id == batch_id)).mappings())
-
-
-def _file(platform: Any, file_id: str) -> Any:
-    with platform.engine.connect() as conn:
-        return conn.execute(select(files).where(files.c.id == file_id)).mappings().one()
 
 
 def _stage_jobs(platform: Any, stage: str, key: str, values: Sequence[str]) -> list[Any]:
@@ -133,9 +87,6 @@ def _stage_jobs(platform: Any, stage: str, key: str, values: Sequence[str]) -> l
         )
 
 
-FINAL = {s.SUCCEEDED, s.SKIPPED, s.DEAD, s.CANCELLED, s.EXPIRED}
-
-
 def _unfinished(platform: Any, file_ids: Sequence[str]) -> list[str]:
     """What is still missing or not final among these files' stage jobs."""
     left = []
@@ -144,7 +95,9 @@ def _unfinished(platform: Any, file_ids: Sequence[str]) -> list[str]:
         if len(found) < len(file_ids):
             left.append(f"{stage}: {len(found)}/{len(file_ids)} jobs")
         left += [
-            f"{r['id']}: {r['status']} (attempts {r['attempts']})" for r in found if r["status"] not in FINAL
+            f"{r['id']}: {r['status']} (attempts {r['attempts']})"
+            for r in found
+            if r["status"] not in s.TERMINAL
         ]
     return left
 
@@ -167,7 +120,7 @@ def _chord_body(platform: Any, batch_id: str, timeout: float = 30) -> list[Any]:
 
     def settled() -> list[Any]:
         rows = _stage_jobs(platform, COMPLETE_BATCH, "batch_id", [batch_id])
-        return rows if rows and all(r["status"] in FINAL for r in rows) else []
+        return rows if rows and all(r["status"] in s.TERMINAL for r in rows) else []
 
     try:
         return list(eventually(settled, timeout=timeout, interval=0.5))
@@ -177,7 +130,7 @@ def _chord_body(platform: Any, batch_id: str, timeout: float = 30) -> list[Any]:
 
 def _assert_complete_once(platform: Any, batch_id: str, n: int, *, timeout: float) -> list[Any]:
     """The batch completed with ``n`` ready files, every stage ran once per file, one event."""
-    batch = _completed(platform, batch_id, timeout)
+    batch = completed(platform, batch_id, timeout, interval=0.5)
     assert (batch["total"], batch["terminal"], batch["ready"]) == (n, n, n), dict(batch)
     assert (batch["failed"], batch["cancelled"]) == (0, 0), dict(batch)
     rows = _files_of(platform, batch_id)
@@ -194,8 +147,8 @@ def _assert_complete_once(platform: Any, batch_id: str, n: int, *, timeout: floa
         assert set(per_file) == set(file_ids), stage
         assert all(c == 1 for c in per_file.values()), (stage, [f for f, c in per_file.items() if c > 1])
         assert Counter(r["status"] for r in found) == {s.SUCCEEDED: n}, stage
-    assert _completed_events(platform, batch_id) == 1
-    assert _batch(platform, batch_id)["terminal"] == n  # nothing counted twice after completion
+    assert completed_events(platform, batch_id) == 1
+    assert batch_row(platform, batch_id)["terminal"] == n  # nothing counted twice after completion
     with platform.engine.connect() as conn:
         owning = conn.execute(
             select(func.count(func.distinct(chunks.c.file_id))).where(chunks.c.file_id.in_(file_ids))
@@ -212,7 +165,7 @@ def _assert_complete_once(platform: Any, batch_id: str, n: int, *, timeout: floa
 def test_100_file_batch_completes_once_and_runs_each_stage_once_per_file(
     platform: Any, worker: Any, tag: str
 ) -> None:
-    batch_id = process_batch(platform, tag, _docs(100, tag))
+    batch_id = process_batch(platform, tag, docs(100, tag))
     rows = _assert_complete_once(platform, batch_id, 100, timeout=720)
     assert all(r["chunk_count"] >= 1 and r["text"] for r in rows)
 
@@ -265,7 +218,7 @@ def test_three_users_batches_submitted_at_once_complete_separately_and_search_st
         assert {r["owner"] for r in rows} == {owners[user]}
         assert {r["name"] for r in rows} == {i.name for i in items[user]}
         file_ids[user] = {r["id"] for r in rows}
-        assert _batch(platform, batch_ids[user])["owner"] == owners[user]
+        assert batch_row(platform, batch_ids[user])["owner"] == owners[user]
     with platform.engine.connect() as conn:
         for user in users:
             chunk_owners = set(
@@ -370,11 +323,11 @@ def test_batch_stored_in_s3_reaches_ready_and_a_missing_object_fails_its_file(
 
     # The object vanishes between upload and confirm: a permanent failure, on the first attempt.
     file_id = upload(platform, tag, Upload("gone.txt", TOPICS["chess"].encode()))
-    ref = _file(platform, file_id)["content_ref"]
+    ref = file_row(platform, file_id)["content_ref"]
     assert ref.startswith(f"s3://{BUCKET}/")
     client.delete_object(Bucket=BUCKET, Key=ref[len(f"s3://{BUCKET}/") :])
     assert confirm(platform, file_id) is True
-    gone = eventually(lambda: (f := _file(platform, file_id))["status"] == "failed" and f, timeout=60)
+    gone = eventually(lambda: (f := file_row(platform, file_id))["status"] == "failed" and f, timeout=60)
     assert (gone["failed_stage"], gone["error_type"]) == ("extract", "ContentMissing")
     extract = _stage_jobs(platform, "conveyor.files.extract", "file_id", [file_id])
     assert [(r["status"], r["attempts"]) for r in extract] == [(s.DEAD, 1)]

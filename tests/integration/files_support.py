@@ -1,0 +1,77 @@
+"""What the files pipeline's integration tests share: documents and database probes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+
+from conveyor.db.schema import job_events
+from pipelines.files import Upload
+from tasks.files.models import batches, files
+from tests.helpers import eventually
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "files"
+
+TOPICS = {
+    "beekeeping": "Beekeepers inspect the brood frames every week, checking the queen, the honey stores and "
+    "signs of varroa mites before the summer nectar flow.",
+    "lighthouses": "The lighthouse keeper trimmed the wick, polished the Fresnel lens and logged passing "
+    "schooners while the foghorn sounded across the rocky headland.",
+    "sourdough": "A sourdough starter of rye flour and water ferments for days; wild yeast and lactobacilli "
+    "leaven the dough, which is folded, proofed overnight and baked in a Dutch oven.",
+    "volcanoes": "Basaltic lava fountains erupted from the fissure; seismometers recorded tremor while "
+    "volcanologists sampled sulfur dioxide near the caldera rim.",
+    "chess": "The grandmaster sacrificed a knight on f7, opened the king's diagonal and converted the "
+    "endgame with two connected passed pawns against a lone rook.",
+    "orchids": "Epiphytic orchids cling to rainforest branches with aerial roots coated in velamen, "
+    "absorbing mist while pollinating euglossine bees visit the fragrant blossoms.",
+}
+
+
+def docs(n: int, tag: str) -> list[Upload]:
+    """``n`` small text documents named after ``tag``, cycling through the topics."""
+    names = list(TOPICS)
+    return [
+        Upload(
+            f"{tag}-{i:03d}-{names[i % len(names)]}.txt",
+            (TOPICS[names[i % len(names)]] + f" Note {i}.").encode(),
+        )
+        for i in range(n)
+    ]
+
+
+def batch_row(platform: Any, batch_id: str) -> Any:
+    """The batch row."""
+    with platform.engine.connect() as conn:
+        return conn.execute(select(batches).where(batches.c.id == batch_id)).mappings().one()
+
+
+def completed(platform: Any, batch_id: str, timeout: float, interval: float = 0.1) -> Any:
+    """Wait until the batch is ``completed``; returns its row."""
+    return eventually(
+        lambda: (b := batch_row(platform, batch_id))["status"] == "completed" and b,
+        timeout=timeout,
+        interval=interval,
+    )
+
+
+def file_row(platform: Any, file_id: str) -> Any:
+    """The file row."""
+    with platform.engine.connect() as conn:
+        return conn.execute(select(files).where(files.c.id == file_id)).mappings().one()
+
+
+def batch_events(platform: Any, topic: str, batch_id: str) -> list[dict[str, Any]]:
+    """The bodies of the outbox events ``topic`` about ``batch_id``, in order."""
+    with platform.engine.connect() as conn:
+        rows = conn.execute(
+            select(job_events.c.body).where(job_events.c.topic == topic).order_by(job_events.c.id)
+        ).scalars()
+        return [dict(body) for body in rows if body.get("batch_id") == batch_id]
+
+
+def completed_events(platform: Any, batch_id: str) -> int:
+    """How many times ``batch.completed`` was written for ``batch_id``."""
+    return len(batch_events(platform, "batch.completed", batch_id))
