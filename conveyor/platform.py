@@ -502,13 +502,12 @@ class Platform:
             conn, row, error_type=type(error).__name__, message=message, tb_text=tb_text, attempt=attempt
         ):
             return None
-        spec = self.stages.get(row["stage"])
         options = row["options"] or {}
         burial = Burial(row=row, state="FAILURE", result=error)
         burial.chord_member = bool(options.get("chord")) and not options.get("chain")
-        if spec is not None and spec.on_dead is not None:
-            result = to_jsonable(spec.on_dead(conn, row["payload"], error))
-            conn.execute(update(jobs).where(jobs.c.id == row["id"]).values(result=result))
+        carried = self.carry_on(conn, row, error)
+        if carried is not None:
+            (result,) = carried
             extra = {
                 "parent_id": row["celery_task_id"],
                 "root_id": options.get("root_id") or row["celery_task_id"],
@@ -519,6 +518,32 @@ class Platform:
             burial.continuation = self.insert_continuations(conn, created, upstream=str(row["id"]))
             burial.state, burial.result = "SUCCESS", result
         return burial
+
+    def carry_on(self, conn: Connection, row: Row, error: BaseException) -> tuple[Any] | None:
+        """In a dead-letter transaction: run the stage's ``on_dead`` hook, if it has one,
+        and store its result as the job's. Returns that result as a 1-tuple (it goes down
+        the flow instead of the error), or None without a hook."""
+        spec = self.stages.get(row["stage"])
+        if spec is None or spec.on_dead is None:
+            return None
+        result = to_jsonable(spec.on_dead(conn, row["payload"], error))
+        conn.execute(update(jobs).where(jobs.c.id == row["id"]).values(result=result))
+        return (result,)
+
+    def record_stalled(self, conn: Connection, row: Row, attempts: int) -> None:
+        """A lost worker's attempt was taken over: let the stage record it (``on_stalled``).
+
+        In a savepoint of the caller's transaction: a failing hook never undoes the
+        takeover or the requeue.
+        """
+        spec = self.stages.get(row["stage"])
+        if spec is None or spec.on_stalled is None:
+            return
+        try:
+            with conn.begin_nested():
+                spec.on_stalled(conn, row["payload"], attempts)
+        except Exception:
+            log.warning("on_stalled hook of %s failed for %s", row["stage"], row["id"], exc_info=True)
 
     def after_burial(self, burial: Burial | None) -> None:
         """Publish a burial's continuation, count it in its chord, wake its waiters."""

@@ -207,13 +207,7 @@ class Relay:
                 )
                 p.metrics.inc("stalled", row["stage"])
                 report.stalled += 1
-                spec = p.stages.get(row["stage"])
-                if spec is not None and spec.on_stalled is not None:
-                    try:
-                        with conn.begin_nested():
-                            spec.on_stalled(conn, row["payload"], attempt)
-                    except Exception:  # bookkeeping only; never block the requeue
-                        log.warning("on_stalled hook of %s failed", row["stage"], exc_info=True)
+                p.record_stalled(conn, row, attempt)
         expired = (
             conn.execute(
                 select(jobs)

@@ -176,6 +176,8 @@ class Runner:
                     if job_id is None:
                         job_id = self._adopt(conn, spec, req, args, kwargs)
                     claim = store.claim(conn, job_id, owner=owner, task_id=req.id)
+                    if claim.took_over and claim.job is not None:
+                        self.platform.record_stalled(conn, claim.job, int(claim.job["attempts"]) - 1)
         except INFRA_ERRORS as exc:
             self._release_slot(slot)
             log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
@@ -186,8 +188,6 @@ class Runner:
         if claim.outcome is ClaimOutcome.RUN:
             assert job is not None
             self.platform.metrics.inc("claimed", spec.name)
-            if claim.took_over:
-                self._stalled(spec, job)
             return self._run(task, spec, job, slot)
         self._release_slot(slot)
         if claim.outcome is ClaimOutcome.WORKER_LOST:
@@ -516,11 +516,9 @@ class Runner:
                         attempt=attempt,
                     ):
                         raise LeaseLost(f"job {job['id']} attempt {attempt} was taken over")
-                    if spec.on_dead is not None:
-                        result = to_jsonable(spec.on_dead(conn, job["payload"], exc))
-                        conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(result=result))
-                        continuation = self._take_over_continuation(conn, task, job, result)
-                        carried = (result,)
+                    carried = self.platform.carry_on(conn, job, exc)
+                    if carried is not None:
+                        continuation = self._take_over_continuation(conn, task, job, carried[0])
                     status = s.DEAD
                 else:
                     settings = self.platform.settings
@@ -557,16 +555,6 @@ class Runner:
             self.platform.metrics.inc("retried", spec.name)
             # The relay republishes when due; Celery must not retry or store a failure.
             raise Ignore()
-
-    def _stalled(self, spec: StageSpec, job: Row) -> None:
-        """The previous attempt's worker died: let the stage record it (``on_stalled``)."""
-        if spec.on_stalled is None:
-            return
-        try:
-            with self.platform.engine.begin() as conn:
-                spec.on_stalled(conn, job["payload"], int(job["attempts"]) - 1)
-        except Exception:  # bookkeeping only: the takeover itself has committed
-            log.warning("on_stalled hook of %s failed for %s", spec.name, job["id"], exc_info=True)
 
     def _bury_lost(self, job: Row) -> None:
         """The last attempt's worker died: dead-letter the job, and carry on its flow."""
