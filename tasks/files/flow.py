@@ -72,12 +72,38 @@ def transition(
 
 def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) -> None:
     """One more terminal file in ``batch_id``; completes the batch if that was the last."""
+    row = _recount(conn, batch_id, outcome, +1, emit)
+    if row is None or row["status"] == "completed":
+        return
+    emit("batch.progress", {"batch_id": batch_id, **_counts(row)})
+    try_complete(conn, batch_id, emit)
+
+
+def revive(conn: Connection, file_id: str, to: str, emit: Emit) -> bool:
+    """A failed file is retried from the DLQ: ``failed → to``, uncounted from its batch.
+
+    The batch's counters always describe its files as they are now; a batch that has
+    completed stays completed (``batch.completed`` fired once) and reports the change as
+    ``batch.summary_changed``.
+    """
+    before = transition(conn, file_id, [FAILED], to, emit, error=None, error_type=None, failed_stage=None)
+    if before is not None and before["batch_id"]:
+        _recount(conn, before["batch_id"], FAILED, -1, emit)
+    return before is not None
+
+
+def _recount(conn: Connection, batch_id: str, outcome: str, delta: int, emit: Emit) -> RowMapping | None:
+    """Move ``batch_id``'s terminal and ``outcome`` counters by ``delta``; returns the batch.
+
+    A batch that has completed already (a member retried from the DLQ) reports its new
+    totals as ``batch.summary_changed``.
+    """
     column = {READY: batches.c.ready, FAILED: batches.c.failed, CANCELLED: batches.c.cancelled}[outcome]
     row = (
         conn.execute(
             update(batches)
             .where(batches.c.id == batch_id)
-            .values({batches.c.terminal: batches.c.terminal + 1, column: column + 1})
+            .values({batches.c.terminal: batches.c.terminal + delta, column: column + delta})
             .returning(
                 batches.c.status,
                 batches.c.terminal,
@@ -90,56 +116,13 @@ def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) ->
         .mappings()
         .one_or_none()
     )
-    if row is None:
-        return
-    counts = {k: v for k, v in row.items() if k != "status"}
-    if row["status"] == "completed":  # a member retried from the DLQ after completion
-        emit("batch.summary_changed", {"batch_id": batch_id, **counts})
-        return
-    emit("batch.progress", {"batch_id": batch_id, **counts})
-    try_complete(conn, batch_id, emit)
+    if row is not None and row["status"] == "completed":
+        emit("batch.summary_changed", {"batch_id": batch_id, **_counts(row)})
+    return row
 
 
-def revive(conn: Connection, file_id: str, to: str, emit: Emit) -> bool:
-    """A failed file is retried from the DLQ: ``failed → to``, uncounted from its batch.
-
-    The batch's counters always describe its files as they are now; a batch that has
-    completed stays completed (``batch.completed`` fired once) and reports the change as
-    ``batch.summary_changed``.
-    """
-    before = transition(conn, file_id, [FAILED], to, emit, error=None, error_type=None, failed_stage=None)
-    if before is None or not before["batch_id"]:
-        return before is not None
-    batch_id = before["batch_id"]
-    conn.execute(
-        update(batches)
-        .where(batches.c.id == batch_id)
-        .values({batches.c.terminal: batches.c.terminal - 1, batches.c.failed: batches.c.failed - 1})
-    )
-    _summary_changed(conn, batch_id, emit)
-    return True
-
-
-def _summary_changed(conn: Connection, batch_id: str, emit: Emit) -> bool:
-    """Emit ``batch.summary_changed`` with the new totals if the batch has completed."""
-    row = (
-        conn.execute(
-            select(
-                batches.c.status,
-                batches.c.total,
-                batches.c.terminal,
-                batches.c.ready,
-                batches.c.failed,
-                batches.c.cancelled,
-            ).where(batches.c.id == batch_id)
-        )
-        .mappings()
-        .one_or_none()
-    )
-    if row is None or row["status"] != "completed":
-        return False
-    emit("batch.summary_changed", {"batch_id": batch_id, **{k: v for k, v in row.items() if k != "status"}})
-    return True
+def _counts(row: RowMapping) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "status"}
 
 
 def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
