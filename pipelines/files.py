@@ -67,6 +67,11 @@ def _safe_segment(text: str, fallback: str) -> str:
     return cleaned or fallback
 
 
+def _storage_key(owner: str, file_id: str, name: str) -> str:
+    """Where a file's content lives: ``<owner>/<file id>/<file name>``."""
+    return f"{_safe_segment(owner, 'owner')}/{file_id}/{_safe_segment(Path(name).name, 'file')}"
+
+
 def new_batch(platform: Platform, owner: str) -> str:
     """An open (unsealed) batch."""
     batch_id = str(uuid.uuid4())
@@ -91,8 +96,7 @@ def new_batch(platform: Platform, owner: str) -> str:
 def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None = None) -> str:
     """Store the content and record the file ``uploaded``; returns the file id."""
     file_id = str(uuid.uuid4())
-    safe = _safe_segment(Path(item.name).name, "file")
-    ref = _storage_put(platform, f"{_safe_segment(owner, 'owner')}/{file_id}/{safe}", item.data)
+    ref = _storage_put(platform, _storage_key(owner, file_id, item.name), item.data)
     with platform.engine.begin() as conn:
         conn.execute(
             insert(files).values(
@@ -183,7 +187,7 @@ def replace_content(platform: Platform, file_id: str, data: bytes) -> None:
         row = flow.get_file(conn, file_id)
         if row is None:
             raise LookupError(f"file {file_id} not found")
-        key = f"{_safe_segment(row['owner'], 'owner')}/{file_id}/{_safe_segment(row['name'], 'file')}"
+        key = _storage_key(row["owner"], file_id, row["name"])
         if _storage_put(platform, key, data) != row["content_ref"]:
             raise ValueError(f"file {file_id} is stored elsewhere; upload it again instead")
         conn.execute(
