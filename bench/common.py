@@ -165,6 +165,8 @@ class BenchWorker:
             log_path=self.logs / f"{name}.log",
             extra_env={**(extra_env or {}), "PYTHONPATH": pythonpath},
             extra_args=extra_args,
+            # A raw Celery app has no Conveyor platform: it runs under plain `celery worker`.
+            plain_celery=getattr(app, "conveyor", None) is None,
         )
         deadline = time.monotonic() + READY_TIMEOUT
         while time.monotonic() < deadline:

@@ -40,6 +40,14 @@ def celery_config(
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": settings.visibility_timeout,
         "broker_connection_retry_on_startup": True,
+        # Reconnect for as long as the broker is away: kombu retries forever with None (its
+        # `retries >= max_retries` check is skipped), where Celery's default of 100 retries
+        # (2 s, 4 s, ... then every 30 s) gives up after about 45 minutes and ends the worker.
+        "broker_connection_retry": True,
+        "broker_connection_max_retries": None,
+        # A Redis error reply while the consumer runs (e.g. MISCONF or READONLY around a
+        # restart or failover) goes through the same reconnect cycle instead of ending it.
+        "broker_channel_error_retry": True,
         "task_serializer": "json",
         "result_serializer": "json",
         "accept_content": JSON_ONLY,
@@ -53,7 +61,10 @@ def celery_config(
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "worker_hijack_root_logger": False,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # A running job keeps its lease in Postgres through a broker outage and a redelivered
+        # copy is refused at claim, so there is nothing to gain from killing it (Celery
+        # would, and the job would lose its progress).
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "worker_soft_shutdown_timeout": settings.soft_shutdown_timeout,
         "worker_concurrency": settings.worker_concurrency,
         "task_time_limit": settings.default_time_limit,

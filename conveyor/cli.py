@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -77,15 +79,104 @@ def _run(fn: Callable[[], int | None]) -> None:
 # -- running ------------------------------------------------------------------------------
 
 
+@dataclass
+class _Child:
+    """A process ``conveyor up`` keeps running: restarted, with backoff, whenever it exits."""
+
+    name: str
+    launch: Callable[[], subprocess.Popen[bytes]]
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    quick_exits: int = 0  # exits in a row, each within STABLE_AFTER seconds of its start
+    restart_at: float | None = None
+
+    def start(self) -> subprocess.Popen[bytes]:
+        self.proc = proc = self.launch()
+        self.started, self.restart_at = time.monotonic(), None
+        return proc
+
+
+RESTART_DELAY = 1.0  # seconds before the first restart; doubled per quick exit, up to the cap
+RESTART_DELAY_MAX = 60.0
+STABLE_AFTER = 60.0  # a child that ran this long starts its backoff over
+
+
+def _tend(child: _Child, now: float) -> None:
+    """Restart ``child`` once its backoff is over; when it has exited, schedule that."""
+    if child.restart_at is not None:
+        if now >= child.restart_at:
+            err.print(f"conveyor up: {child.name} restarted (pid {child.start().pid})")
+        return
+    if child.proc is None or child.proc.poll() is None:
+        return
+    if now - child.started >= STABLE_AFTER:
+        child.quick_exits = 0
+    delay = min(RESTART_DELAY_MAX, RESTART_DELAY * 2**child.quick_exits)
+    child.quick_exits += 1
+    child.restart_at = now + delay
+    err.print(
+        f"[yellow]conveyor up: {child.name} (pid {child.proc.pid}) exited with code "
+        f"{child.proc.returncode}; restarting in {delay:.0f}s[/yellow]"
+    )
+
+
+def _supervise(children: list[_Child]) -> None:
+    """Keep ``children`` running until SIGTERM or Ctrl-C."""
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        while not stopping.wait(0.5):
+            now = time.monotonic()
+            for child in children:
+                _tend(child, now)
+    except KeyboardInterrupt:
+        pass
+
+
+def _up_children(platform: Any, logs: Path, *, concurrency: int | None, flower: bool) -> list[_Child]:
+    """What ``conveyor up`` runs: a worker (with the relay), beat and optionally Flower."""
+    from conveyor.procs import service_env, start_worker
+
+    settings = platform.settings
+    queues = [q.name for q in platform.queues]
+
+    def worker() -> subprocess.Popen[bytes]:
+        return start_worker(settings, queues=queues, concurrency=concurrency, log_path=logs / "worker.log")
+
+    def beat() -> subprocess.Popen[bytes]:
+        with open(logs / "beat.log", "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", settings.app, "beat", "-l", "INFO"],
+                env=service_env(settings),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    children = [_Child("worker", worker), _Child("beat", beat)]
+    if flower:
+        # One password for the whole run: a restarted Flower must not invent a new one.
+        password = settings.flower_password or secrets.token_urlsafe(12)
+        if not settings.flower_password:
+            console.print(f"Flower password [bold]{password}[/bold]")
+        port = settings.flower_port
+        children.append(_Child("flower", lambda: _flower_process(settings, port=port, password=password)))
+    return children
+
+
 @cli.command()
 def up(
     concurrency: int = typer.Option(None, help="worker pool size (default: setting)"),
     flower: bool = typer.Option(False, help="also run Flower (basic auth, read-only)"),
 ) -> None:
-    """Run everything in one: services (embedded if unset), migrations, worker+relay, beat."""
+    """Run everything in one: services (embedded if unset), migrations, worker+relay, beat.
+
+    A child that exits is restarted (after 1 s, doubling per quick exit, up to 60 s); Ctrl-C
+    or SIGTERM stops everything.
+    """
 
     def main() -> int:
-        from conveyor.procs import service_env, start_worker, stop
+        from conveyor.procs import stop
         from conveyor.runfile import RunInfo, claim_run, release_run
         from conveyor.services import attach, start_embedded
 
@@ -106,46 +197,26 @@ def up(
             services.stop()
             err.print(f"[red]{exc}[/red]")
             return 2
-        procs: list[subprocess.Popen[bytes]] = []
+        children: list[_Child] = []
         try:
             platform = load_platform(require_services=False)
             platform.bind(redis_url=services.redis_url, database_url=services.database_url)
             _migrate(platform)
-            settings = platform.settings
             logs = home / "logs"
             logs.mkdir(exist_ok=True)
-            queues = [q.name for q in platform.queues]
-            procs.append(
-                start_worker(settings, queues=queues, concurrency=concurrency, log_path=logs / "worker.log")
-            )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "celery", "-A", settings.app, "beat", "-l", "INFO"],
-                    env=service_env(settings),
-                    stdout=open(logs / "beat.log", "ab"),  # noqa: SIM115
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            if flower:
-                procs.append(_flower_process(settings, port=settings.flower_port))
+            children = _up_children(platform, logs, concurrency=concurrency, flower=flower)
+            for child in children:
+                child.start()
             console.print(
                 f"[green]conveyor up[/green]: redis {services.redis_url} · db {services.database_url}"
             )
             console.print(f"logs in {logs}; Ctrl-C to stop")
-            stopping = threading.Event()
-            signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-            try:
-                while not stopping.wait(1.0):
-                    if any(p.poll() is not None for p in procs):
-                        err.print("[red]a child process exited; stopping[/red]")
-                        return 1
-            except KeyboardInterrupt:
-                pass
+            _supervise(children)
             return 0
         finally:
-            for p in procs:
-                stop(p)
+            for child in children:
+                if child.proc is not None:
+                    stop(child.proc)
             services.stop()
             release_run(home, os.getpid())
 
@@ -157,7 +228,11 @@ def worker(
     ctx: typer.Context,
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
 ) -> None:
-    """Run a Celery worker for the deployment (extra args go to ``celery worker``)."""
+    """Run a Celery worker for the deployment (extra args go to ``celery worker``).
+
+    Unlike a plain ``celery worker``, SIGTERM is bounded by ``CONVEYOR_SOFT_SHUTDOWN_TIMEOUT``:
+    jobs still running at the deadline are requeued uncounted, then the worker exits.
+    """
 
     def main() -> int:
         platform = load_platform()
@@ -165,6 +240,11 @@ def worker(
             from conveyor.metrics import serve
 
             serve(metrics_port, str(platform.metrics.enable()))
+        from conveyor.shutdown import BoundedShutdown
+
+        BoundedShutdown(platform).install()
+        # The bound replaces Celery's soft phase of a cold shutdown (SIGQUIT stays immediate).
+        platform.app.conf.worker_soft_shutdown_timeout = 0
         argv = ["worker", "-l", "INFO", *ctx.args]
         platform.app.worker_main(argv)
         return 0
@@ -282,7 +362,7 @@ def jobs_list(
                 r["stage"],
                 r["label"] or "",
                 r["status"],
-                f"{r['attempts']}/{r['max_attempts']}",
+                _attempts(r),
                 f"{r['created_at']:%Y-%m-%d %H:%M:%S}",
             )
         console.print(table)
@@ -304,12 +384,23 @@ def jobs_show(job_id: str) -> None:
             err.print(str(exc))
             return 1
         console.print_json(json.dumps(row, default=str))
+        console.print(f"attempts: {_attempts(row)}")
         events, _ = handle.events()
         for e in events:
             console.print(f"  {e.position:>16}  {e.topic:<20} {json.dumps(e.body, default=str)}")
         return 0
 
     _run(main)
+
+
+def _attempts(row: Any) -> str:
+    """Counted attempts of the budget, and the uncounted ones (outages, shutdowns,
+    preemption), which never use the budget."""
+    uncounted = int(row["uncounted"] or 0)
+    text = f"{int(row['attempts']) - uncounted}/{row['max_attempts']}"
+    if uncounted:
+        text += f" +{uncounted} uncounted ({row['requeues']} requeued by outages or shutdowns)"
+    return text
 
 
 @jobs_cli.command("cancel")

@@ -80,7 +80,7 @@ class DeadLetterQueue:
         The job runs again from its own stage: its stage's ``on_retry`` hook undoes what
         ``on_dead`` recorded, and when it completes, the continuation that ran with the
         dead job's result runs again with the new one. ``max_attempts`` grows to
-        ``attempts + policy``; ``attempts`` never decreases, so fencing tokens stay
+        ``counted attempts + policy``; ``attempts`` never decreases, so fencing tokens stay
         monotonic. Returns the job id, or None if nothing to retry.
         """
         with self.platform.engine.begin() as conn:
@@ -105,7 +105,7 @@ class DeadLetterQueue:
                 .where(jobs.c.id == job["id"], jobs.c.status == s.DEAD, jobs.c.attempts == job["attempts"])
                 .values(
                     status=s.QUEUED,
-                    max_attempts=job["attempts"] + budget,
+                    max_attempts=job["attempts"] - job["uncounted"] + budget,
                     published_at=None,
                     run_at=db_now(),
                     finished_at=None,

@@ -24,9 +24,22 @@
 Any other exception raised by a stage body counts as transient: an unknown failure is
 retried, because giving up on a job that might have succeeded on a second try is the
 worse mistake. Stages that know better raise :class:`PermanentError`.
+
+Database errors are classified by what they mean, not by the driver's class names: a
+*lost connection* (:func:`is_connection_loss`) never counts an attempt, wherever it
+happens; a query the database refused as wrong (SQLAlchemy's ``DataError`` and
+``ProgrammingError``) is permanent; anything else a query raises (a statement timeout,
+a deadlock, a serialization failure, a lock timeout) is an ordinary transient failure
+that counts. Uncounted requeues are bounded too (``max_requeues``): past the bound the
+job is dead-lettered with "infrastructure kept failing".
 """
 
 from __future__ import annotations
+
+import signal
+
+import redis.exceptions
+import sqlalchemy.exc
 
 
 class ConveyorError(Exception):
@@ -90,6 +103,62 @@ class NotRunning(ConveyorError):
     """No services are configured and ``conveyor up`` is not running."""
 
 
+class RequeuesExhausted(InfrastructureError):
+    """A job was requeued uncounted (outages, shutdowns) more often than ``max_requeues``."""
+
+
+# SQLAlchemy's pool timing out means our own database is saturated or gone: no attempt.
+_CONNECTION_LOSS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    sqlalchemy.exc.TimeoutError,
+    InfrastructureError,
+)
+
+# billiard's pool child turns SIGTERM into SystemExit(-(256 - SIGTERM)): the worker (a
+# cold shutdown, or Celery cancelling jobs on a broker connection loss) stopped the job.
+STOPPED_BY_WORKER = -(256 - signal.SIGTERM)
+
+
+def is_connection_loss(exc: BaseException) -> bool:
+    """True when ``exc`` means Postgres or Redis could not be reached (never counted).
+
+    A DBAPI error counts as a lost connection only when SQLAlchemy invalidated the
+    connection (``connection_invalidated``): query-level failures that psycopg also
+    files under ``OperationalError`` (statement timeout, deadlock, lock timeout) and
+    SQLite's "no such table" are not outages.
+    """
+    if isinstance(exc, sqlalchemy.exc.DBAPIError):
+        return bool(exc.connection_invalidated) or _unreachable(exc.orig)
+    return isinstance(exc, _CONNECTION_LOSS)
+
+
+# SQLSTATE classes that mean "no usable connection": connection exceptions, and a server
+# shutting down, crashed or still starting.
+_UNREACHABLE_STATES = ("08", "57P01", "57P02", "57P03")
+# SQLite: the database file is busy or locked by another writer past the busy timeout.
+_SQLITE_BUSY = ("database is locked", "database table is locked")
+
+
+def _unreachable(orig: BaseException | None) -> bool:
+    if orig is None:
+        return False
+    if hasattr(orig, "sqlstate"):  # psycopg: None when the server never answered
+        state = orig.sqlstate
+        return state is None or str(state).startswith(_UNREACHABLE_STATES)
+    text = str(orig)
+    return any(phrase in text for phrase in _SQLITE_BUSY)
+
+
+def is_stopped_by_worker(exc: BaseException) -> bool:
+    """True when the worker itself ended this job (shutdown, broker outage): uncounted."""
+    return isinstance(exc, SystemExit) and exc.code == STOPPED_BY_WORKER
+
+
 def is_permanent(exc: BaseException) -> bool:
-    """Return True when ``exc`` must dead-letter the job without a retry."""
-    return isinstance(exc, PermanentError)
+    """Return True when ``exc`` must dead-letter the job without a retry.
+
+    A query the database rejected as malformed or invalid for its data fails the same
+    way every time; other database errors (timeouts, deadlocks) may pass.
+    """
+    return isinstance(exc, (PermanentError, sqlalchemy.exc.DataError, sqlalchemy.exc.ProgrammingError))

@@ -230,7 +230,7 @@ class Leases:
                 .values(
                     status=s.WAITING_LEASE,
                     lease_key=key,
-                    max_attempts=jobs.c.max_attempts + 1,
+                    uncounted=jobs.c.uncounted + 1,
                     published_at=None,
                     lease_owner=None,
                     updated_at=db_now(),

@@ -34,6 +34,7 @@ from conveyor.dlq import DeadLetterQueue
 from conveyor.errors import ConfigurationError, NotRunning
 from conveyor.handle import JobHandle
 from conveyor.leases import CANCEL, PREEMPT, Leases, format_key
+from conveyor.liveness import Deliveries
 from conveyor.metrics import Metrics
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.runner import Runner
@@ -75,11 +76,18 @@ class Platform:
         self.queue_names = {q.name for q in self.queues}
         self.default_queue = default_queue
         self.stages: dict[str, StageSpec] = {}
-        self.store = JobStore(lease_timeout=settings.lease_timeout)
+        self.store = JobStore(
+            lease_timeout=settings.lease_timeout,
+            max_requeues=settings.max_requeues,
+            detect_local_dead_owners=settings.detect_local_dead_owners,
+        )
         self.runner = Runner(self)
         self.metrics = Metrics(settings)
         self.deduper = Deduplicator(settings, lambda: self.redis)
         self.leases = Leases(self)
+        self.deliveries = Deliveries(
+            lambda: self.redis, key_prefix=settings.key_prefix, alive_ttl=settings.worker_alive_ttl
+        )
         self.admission = Admission(
             lambda: self.redis,
             key_prefix=settings.key_prefix,

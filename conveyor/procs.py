@@ -34,14 +34,15 @@ def start_worker(
     log_path: Path | None = None,
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
+    plain_celery: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start ``celery worker`` (prefork) for ``settings.app`` as a child process."""
+    """Start ``conveyor worker`` (prefork; SIGTERM bounded by the soft-shutdown timeout) as
+    a child process, or with ``plain_celery`` ``celery -A <app> worker`` (unbounded)."""
+    command = ["celery", "-A", settings.app] if plain_celery else ["conveyor"]
     args = [
         sys.executable,
         "-m",
-        "celery",
-        "-A",
-        settings.app,
+        *command,
         "worker",
         "-Q",
         ",".join(queues),
@@ -57,15 +58,19 @@ def start_worker(
         hostname or f"conveyor-{os.getpid()}-{time.monotonic_ns()}@%h",
         *extra_args,
     ]
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(
-        args,
-        env=service_env(settings, extra_env),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    out = open(log_path, "ab") if log_path else None  # noqa: SIM115
+    try:
+        return subprocess.Popen(
+            args,
+            env=service_env(settings, extra_env),
+            stdout=out or subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    finally:
+        if out is not None:  # the child keeps its own copy of the descriptor
+            out.close()
 
 
 def stop(proc: subprocess.Popen[bytes], *, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:

@@ -17,7 +17,8 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
 from conveyor.errors import WorkerLost
-from conveyor.store import new_event
+from conveyor.liveness import note_tick, takeovers_allowed
+from conveyor.store import counted_attempts, new_event
 
 if TYPE_CHECKING:
     from conveyor.platform import Burial, Platform
@@ -61,10 +62,13 @@ class Relay:
         report = TickReport()
         self._burials = []
         epoch = p.broker.epoch(max_age=0)
+        orphans = p.deliveries.orphans() if reconcile else {}
         with p.engine.begin() as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, p.settings.resolved_home()):
                 report.skipped_lock = True
                 return report
+            settings = p.settings
+            note_tick(conn, gap=max(3 * settings.relay_interval, 2 * settings.heartbeat_interval))
             due = (
                 conn.execute(
                     select(jobs)
@@ -89,6 +93,7 @@ class Relay:
             lost = [
                 *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
                 *conn.execute(select(jobs).where(published, unclaimed).limit(BATCH)).mappings(),
+                *self._taken_by_dead_workers(conn, orphans, seen={r["id"] for r in due}),
             ]
             marked = [
                 (row, task_id)
@@ -96,6 +101,8 @@ class Relay:
                 if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
             ]
             finished = self._reconcile(conn, report) if reconcile else []
+        for worker in orphans:
+            p.deliveries.forget(worker)
         self._copy_dedup_events()
         for job_id, status, dedup_key in finished:
             p.finished(job_id, status, dedup_key=dedup_key)
@@ -113,6 +120,21 @@ class Relay:
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
         report.republished = len(marked) - report.published
         return report
+
+    def _taken_by_dead_workers(
+        self, conn: Any, orphans: dict[str, list[str]], *, seen: set[str]
+    ) -> list[Any]:
+        """Jobs whose message a dead worker took and never claimed: still queued and
+        published. Marked for publish again at once (a message merely waiting in a long
+        queue has no delivery record, so it is never copied)."""
+        ids = sorted({j for taken in orphans.values() for j in taken} - seen)
+        if not ids:
+            return []
+        published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
+        rows = list(conn.execute(select(jobs).where(jobs.c.id.in_(ids), published)).mappings())
+        if rows:
+            log.info("republishing %d job(s) taken by dead worker(s) %s", len(rows), ", ".join(orphans))
+        return rows
 
     def _copy_dedup_events(self) -> None:
         """Move fast-path dedup events from their Redis stream into the outbox.
@@ -163,6 +185,7 @@ class Relay:
                 .where(
                     jobs.c.status == s.RUNNING,
                     jobs.c.heartbeat_at < db_now_plus(-p.settings.lease_timeout),
+                    takeovers_allowed(p.settings.lease_timeout),
                 )
                 .limit(BATCH)
             )
@@ -171,9 +194,13 @@ class Relay:
         )
         for row in stale:
             attempt = int(row["attempts"])
-            if attempt >= int(row["max_attempts"]):
+            ended = self._end_if_stopped(conn, row)
+            if ended is not None:
+                finished.append(ended)
+                continue
+            if counted_attempts(row) >= int(row["max_attempts"]):
                 message = (
-                    f"attempt {attempt} of {row['max_attempts']} stopped heartbeating "
+                    f"attempt {counted_attempts(row)} of {row['max_attempts']} stopped heartbeating "
                     "(worker crash, kill or hang); giving up"
                 )
                 burial = p.bury(conn, row, error=WorkerLost(message), message=message, attempt=attempt)
@@ -230,6 +257,25 @@ class Relay:
         self._unparked = p.leases.unpark_free_keys(conn)
         self._interrupts = self._escalations(conn)
         return finished
+
+    def _end_if_stopped(self, conn: Any, row: Any) -> tuple[str, str, str | None] | None:
+        """A stale attempt of a job cancelled or expired meanwhile: end it, don't requeue."""
+        store = self.platform.store
+        if row["cancel_requested_at"] is not None:
+            status, topic = s.CANCELLED, "job.cancelled"
+        elif (
+            row["expires_at"] is not None
+            and conn.execute(
+                select(jobs.c.id).where(jobs.c.id == row["id"], jobs.c.expires_at <= db_now())
+            ).first()
+        ):
+            status, topic = s.EXPIRED, "job.expired"
+        else:
+            return None
+        body = {"while": "stalled", "previous_owner": row["lease_owner"]}
+        if not store.finish(conn, row, status, from_status=(s.RUNNING,), topic=topic, body=body):
+            return None
+        return (str(row["id"]), status, row["dedup_key"])
 
     def _escalations(self, conn: Any) -> list[tuple[str, int, str]]:
         """Running jobs asked to stop (preempt or cancel) that let their grace period pass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -12,7 +11,6 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import redis.exceptions
 import sqlalchemy.exc
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
@@ -27,28 +25,22 @@ from conveyor.errors import (
     Interrupted,
     LeaseLost,
     PayloadInvalid,
-    PermanentError,
-    Preempted,
+    RequeuesExhausted,
     SkipJob,
     WorkerLost,
+    is_connection_loss,
+    is_permanent,
+    is_stopped_by_worker,
 )
-from conveyor.leases import CANCEL, PREEMPT, Held, format_key
+from conveyor.heartbeat import Heartbeat
+from conveyor.leases import PREEMPT, Held, format_key
 from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
-from conveyor.store import Claim, ClaimOutcome, NewJob, Row, format_traceback, new_event
+from conveyor.store import Claim, ClaimOutcome, NewJob, Row, counted_attempts, format_traceback, new_event
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
 
 log = logging.getLogger("conveyor.runner")
-
-INFRA_ERRORS: tuple[type[BaseException], ...] = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    sqlalchemy.exc.TimeoutError,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    ConnectionError,
-)
 
 
 def lease_owner() -> str:
@@ -59,90 +51,12 @@ def lease_owner() -> str:
     return owner
 
 
-class Heartbeat:
-    """One daemon thread per process renewing the running job's lease (and its lease key),
-    polling its stop flag, and flushing requeues that an outage delayed."""
-
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
-        self._current: JobContext | None = None
-        self._thread: threading.Thread | None = None
-        self._pid = 0
-        self.pending_release: dict[str, tuple[int, str]] = {}
-
-    @property
-    def current(self) -> JobContext | None:
-        """The job context this process is running now."""
-        return self._current
-
-    def track(self, ctx: JobContext | None) -> None:
-        """Start (or stop, with None) renewing ``ctx``'s lease."""
-        self._current = ctx
-        if ctx is not None:
-            self._ensure_thread()
-
-    def release_later(self, job_id: str, attempt: int, owner: str) -> None:
-        """Requeue ``job_id`` without counting the attempt as soon as the database answers."""
-        self.pending_release[job_id] = (attempt, owner)
-        self._ensure_thread()
-
-    def _ensure_thread(self) -> None:
-        if self._thread is None or self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
-            self._thread.start()
-
-    def _flush_releases(self) -> None:
-        for job_id, (attempt, owner) in list(self.pending_release.items()):
-            with self.platform.engine.begin() as conn:
-                self.platform.store.release_uncounted(conn, job_id, attempt, owner, "infrastructure")
-            self.pending_release.pop(job_id, None)
-
-    def _loop(self) -> None:
-        settings = self.platform.settings
-        poll = min(settings.stop_poll_interval, settings.heartbeat_interval)
-        next_beat = time.monotonic() + settings.heartbeat_interval
-        while True:
-            time.sleep(poll)
-            ctx = self._current
-            if ctx is not None and ctx.stop_requested is None:
-                # Read from a thread, so the escalation signal handler never does I/O.
-                ctx.stop_requested = self.platform.leases.stop_requested(ctx.job_id, ctx.attempt)
-            if time.monotonic() < next_beat:
-                continue
-            next_beat = time.monotonic() + settings.heartbeat_interval
-            if self.pending_release:
-                try:
-                    self._flush_releases()
-                except Exception:  # still down; try again next beat
-                    log.info("database still unreachable; %d release(s) pending", len(self.pending_release))
-            if ctx is None or ctx is not self._current:
-                continue
-            try:
-                self._beat(ctx)
-            except Exception:  # the database may blip; the next beat tries again
-                log.warning("heartbeat failed for job %s", ctx.job_id, exc_info=True)
-
-    def _beat(self, ctx: JobContext) -> None:
-        p = self.platform
-        with p.engine.begin() as conn:
-            if not p.store.heartbeat(conn, ctx.job_id, ctx.attempt):
-                ctx.lease_lost = True
-            if ctx.held is not None and not p.leases.renew(conn, ctx.held, ctx.job_id):
-                ctx.lease_lost = True
-        if ctx.slot is not None:
-            p.admission.renew(ctx.slot)
-        if ctx.stop_requested is None:
-            ctx.stop_requested = p.leases.stop_requested_db(ctx.job_id, ctx.attempt)
-
-
 class Runner:
     """Runs one delivered message of a stage through the job lifecycle."""
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self.heartbeat = Heartbeat(platform)
-        self._signal_pid = 0
 
     # -- entry points -------------------------------------------------------------------
 
@@ -178,7 +92,9 @@ class Runner:
                     claim = store.claim(conn, job_id, owner=owner, task_id=req.id)
                     if claim.took_over and claim.job is not None:
                         self.platform.record_stalled(conn, claim.job, int(claim.job["attempts"]) - 1)
-        except INFRA_ERRORS as exc:
+        except Exception as exc:
+            if not is_connection_loss(exc):
+                raise
             self._release_slot(slot)
             log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
             time.sleep(self.platform.settings.infra_backoff)
@@ -190,9 +106,9 @@ class Runner:
             self.platform.metrics.inc("claimed", spec.name)
             return self._run(task, spec, job, slot)
         self._release_slot(slot)
-        if claim.outcome is ClaimOutcome.WORKER_LOST:
+        if claim.outcome in (ClaimOutcome.WORKER_LOST, ClaimOutcome.REQUEUES_EXHAUSTED):
             assert job is not None
-            self._bury_lost(job)
+            self._bury_lost(job, requeues=claim.outcome is ClaimOutcome.REQUEUES_EXHAUSTED)
             raise Ignore()
         if claim.outcome is ClaimOutcome.ALREADY_SUCCEEDED:
             assert job is not None
@@ -204,30 +120,6 @@ class Runner:
         raise Ignore()
 
     # -- running ------------------------------------------------------------------------
-
-    def _install_interrupt_handler(self) -> None:
-        """SIGUSR1 in a pool child: raise Preempted/Cancelled if, and only if, the job this
-        child is running now carries a stop request for this very attempt.
-
-        billiard uses SIGUSR1 for soft time limits and installs its handler after
-        ``worker_process_init``, so ours is installed at the first job and chains to it.
-        The handler only reads memory: the stop flag is fetched by the heartbeat thread.
-        """
-        if self._signal_pid == os.getpid() or threading.current_thread() is not threading.main_thread():
-            return
-        self._signal_pid = os.getpid()
-        previous = signal.getsignal(signal.SIGUSR1)
-
-        def on_usr1(signum: int, frame: Any) -> None:
-            ctx = self.heartbeat.current
-            if ctx is not None and ctx.stop_requested == PREEMPT:
-                raise Preempted(f"job {ctx.job_id} interrupted: it did not yield its lease in time")
-            if ctx is not None and ctx.stop_requested == CANCEL:
-                raise Cancelled(f"job {ctx.job_id} interrupted after cancel()")
-            if callable(previous):
-                previous(signum, frame)
-
-        signal.signal(signal.SIGUSR1, on_usr1)
 
     def _admit(self, spec: StageSpec, req: Any, job_id: str) -> Slot | None:
         """Check the queue's rate limit and the stage's concurrency cap before the claim.
@@ -260,7 +152,7 @@ class Runner:
                 log.warning("could not release concurrency slot %s", slot.key, exc_info=True)
 
     def _run(self, task: StageTask, spec: StageSpec, job: Row, slot: Slot | None = None) -> Any:
-        self._install_interrupt_handler()
+        self.heartbeat.install_interrupt_handler()
         attempt = int(job["attempts"])
         ctx = JobContext(
             self.platform, job_id=job["id"], attempt=attempt, stage=spec.name, flow_id=job["flow_id"]
@@ -294,12 +186,19 @@ class Runner:
             raise Ignore() from None
         except BaseException as exc:
             ctx.close()
-            if isinstance(exc, INFRA_ERRORS) and not isinstance(exc, PermanentError):
+            if is_stopped_by_worker(exc):
+                # The worker ended this job (a cold shutdown, or Celery cancelling jobs on a
+                # broker connection loss): not the job's failure. Requeue it uncounted and
+                # let the process exit as billiard asked.
+                log.warning("%s stopped by its worker; requeueing uncounted", spec.name)
+                self.requeue_uncounted(job["id"], attempt, lease_owner(), "worker_stopped")
+                raise
+            if is_connection_loss(exc):
                 # The attempt's transaction died with the database: nothing was recorded.
                 # Requeue the job without counting the attempt (now, or once the database
                 # answers again) and give the message back to the broker.
                 log.warning("infrastructure error in %s (%s); requeueing", spec.name, type(exc).__name__)
-                self._release_uncounted(job["id"], attempt)
+                self.requeue_uncounted(job["id"], attempt, lease_owner(), "infrastructure")
                 time.sleep(self.platform.settings.infra_backoff)
                 raise Reject(exc, requeue=True) from None
             carried_on = self._fail(task, spec, job, attempt, exc)
@@ -363,7 +262,7 @@ class Runner:
         cancelled = isinstance(exc, Cancelled)
         with p.engine.begin() as conn:
             if cancelled:
-                p.store.finish(
+                done = p.store.finish(
                     conn,
                     job,
                     s.CANCELLED,
@@ -373,8 +272,14 @@ class Runner:
                     body={"while": "running"},
                 )
             else:
-                p.store.release_uncounted(conn, job["id"], attempt, owner, "preempted", topic="job.preempted")
+                outcome = p.store.release_uncounted(
+                    conn, job["id"], attempt, owner, "preempted", topic="job.preempted", requeue=False
+                )
+                done = outcome == "released"
         p.leases.clear_flag(job["id"])
+        if not done:  # fenced off: a newer attempt owns the job; nothing was written
+            log.info("job %s attempt %s was stopped but no longer owns the job", job["id"], attempt)
+            return
         p.metrics.inc("cancelled" if cancelled else "preempted", spec.name)
         if cancelled:
             p.finished(job["id"], s.CANCELLED, dedup_key=job["dedup_key"])
@@ -492,20 +397,22 @@ class Runner:
 
         A stage with ``on_dead`` is dead-lettered *and* carries on: the hook's result goes
         down the flow (returned here as a 1-tuple), so a chord never waits on a dead member.
+        A failure of an attempt that no longer owns the job (fenced off) writes nothing.
         """
         store = self.platform.store
         carried: tuple[Any] | None = None
         continuation: list[NewJob] = []
-        permanent = isinstance(exc, PermanentError)
+        permanent = is_permanent(exc)
         timed_out = isinstance(exc, SoftTimeLimitExceeded)
         if timed_out and not spec.retry_on_timeout:
             permanent = True
-        exhausted = attempt >= int(job["max_attempts"])
+        counted = counted_attempts(job)
+        exhausted = counted >= int(job["max_attempts"])
         try:
             with self.platform.engine.begin() as conn:
                 if permanent or exhausted:
                     message = _readable(
-                        exc, spec, attempt, int(job["max_attempts"]), exhausted and not permanent
+                        exc, spec, counted, int(job["max_attempts"]), exhausted and not permanent
                     )
                     if not store.dead_letter(
                         conn,
@@ -523,28 +430,28 @@ class Runner:
                 else:
                     settings = self.platform.settings
                     delay = spec.retry.delay(
-                        attempt, default_base=settings.backoff_base, default_cap=settings.backoff_cap
+                        counted, default_base=settings.backoff_base, default_cap=settings.backoff_cap
                     )
-                    store.schedule_retry(conn, job, attempt, delay, exc)
-                    store.emit(
-                        conn,
-                        [
-                            new_event(
-                                job["id"],
-                                "job.retrying",
-                                {
-                                    "stage": spec.name,
-                                    "attempt": attempt,
-                                    "delay": round(delay, 3),
-                                    "error_type": type(exc).__name__,
-                                },
-                            )
-                        ],
-                    )
+                    if not store.schedule_retry(conn, job, attempt, delay, exc):
+                        raise LeaseLost(f"job {job['id']} attempt {attempt} was taken over")
+                    body = {
+                        "stage": spec.name,
+                        "attempt": counted,
+                        "delay": round(delay, 3),
+                        "error_type": type(exc).__name__,
+                    }
+                    store.emit(conn, [new_event(job["id"], "job.retrying", body)])
                     status = s.RETRYING
-        except INFRA_ERRORS:
+        except LeaseLost:
+            # The compare-and-set was refused: a newer attempt owns the job. Nothing of
+            # this failure was written (no event, no metric); the message is done with.
+            log.info("failure of job %s attempt %s ignored: fenced off", job["id"], attempt)
+            raise Ignore() from None
+        except Exception as db_exc:
+            if not is_connection_loss(db_exc):
+                raise
             log.warning("could not record failure of %s; requeueing it uncounted", job["id"])
-            self._release_uncounted(job["id"], attempt)
+            self.requeue_uncounted(job["id"], attempt, lease_owner(), "infrastructure")
             raise Reject(exc, requeue=True) from None
         if status == s.DEAD:
             self.platform.metrics.inc("dead", spec.name)
@@ -556,22 +463,41 @@ class Runner:
             # The relay republishes when due; Celery must not retry or store a failure.
             raise Ignore()
 
-    def _bury_lost(self, job: Row) -> None:
-        """The last attempt's worker died: dead-letter the job, and carry on its flow."""
-        message = (
-            f"the worker running attempt {job['attempts']} of {job['max_attempts']} "
-            "died (crash, OOM or kill); giving up"
-        )
+    def _bury_lost(self, job: Row, *, requeues: bool = False) -> None:
+        """The last attempt's worker died, or the job was requeued uncounted too often:
+        dead-letter it, and carry on its flow."""
+        if requeues:
+            message = (
+                f"infrastructure kept failing: requeued {job['requeues']} times without counting "
+                f"an attempt (limit {self.platform.settings.max_requeues}); giving up"
+            )
+            error: BaseException = RequeuesExhausted(message)
+        else:
+            message = (
+                f"the worker running attempt {counted_attempts(job)} of {job['max_attempts']} "
+                "died (crash, OOM or kill); giving up"
+            )
+            error = WorkerLost(message)
         with self.platform.engine.begin() as conn:
-            burial = self.platform.bury(conn, job, error=WorkerLost(message), message=message)
+            burial = self.platform.bury(conn, job, error=error, message=message)
         self.platform.after_burial(burial)
 
-    def _release_uncounted(self, job_id: str, attempt: int) -> None:
-        owner = lease_owner()
+    def requeue_uncounted(
+        self, job_id: str, attempt: int | None, owner: str, reason: str, *, defer: bool = True
+    ) -> None:
+        """Requeue an attempt stopped by an outage or a shutdown without counting it; past
+        ``max_requeues`` dead-letter the job ("infrastructure kept failing") instead. With
+        the database unreachable and ``defer``, the heartbeat thread retries it."""
+        p = self.platform
         try:
-            with self.platform.engine.begin() as conn:
-                self.platform.store.release_uncounted(conn, job_id, attempt, owner, "infrastructure")
-        except INFRA_ERRORS:
+            with p.engine.begin() as conn:
+                outcome = p.store.release_uncounted(conn, job_id, attempt, owner, reason)
+                row = p.store.get(conn, job_id) if outcome == "exhausted" else None
+            if row is not None:
+                self._bury_lost(row, requeues=True)
+        except Exception as exc:
+            if not (defer and attempt is not None and is_connection_loss(exc)):
+                raise
             self.heartbeat.release_later(job_id, attempt, owner)
 
     def record_hard_timeout(self, spec: StageSpec, task_id: str, exc: BaseException) -> None:
@@ -589,9 +515,9 @@ class Runner:
                 if row is None:
                     return
                 attempt = int(row["attempts"])
-                if spec.retry_on_timeout and attempt < int(row["max_attempts"]):
+                if spec.retry_on_timeout and counted_attempts(row) < int(row["max_attempts"]):
                     delay = spec.retry.delay(
-                        attempt,
+                        counted_attempts(row),
                         default_base=self.platform.settings.backoff_base,
                         default_cap=self.platform.settings.backoff_cap,
                     )
@@ -680,7 +606,7 @@ class Runner:
                 self.platform.store.emit(
                     conn, [new_event(job_id, "job.skipped", {"reason": outcome.value, "task_id": task_id})]
                 )
-        except INFRA_ERRORS:
+        except Exception:  # a skip record is informational: never fail the delivery for it
             log.warning("could not record skip of %s", job_id)
 
     def record_garbage(self, error_type: str, message: str, headers: Mapping[str, Any]) -> None:
@@ -729,6 +655,10 @@ def _short(value: Any) -> Any:
 
 def _readable(exc: BaseException, spec: StageSpec, attempt: int, max_attempts: int, exhausted: bool) -> str:
     text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:
+        # The driver's own words, first line only: never the statement or its parameters.
+        first = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+        text = f"database error ({type(exc.orig).__name__}): {first}"
     if isinstance(exc, SoftTimeLimitExceeded):
         text = f"{spec.name} exceeded its soft time limit"
     if exhausted:

@@ -37,10 +37,19 @@ class ConveyorSettings(BaseSettings):
     demo: str = Field("pipelines.demo:self_check", description="the deployment's self-check")
 
     visibility_timeout: float = 3600.0
-    lease_timeout: float = 60.0
-    heartbeat_interval: float = 10.0
+    lease_timeout: float = Field(10.0, description="a running job whose lease is this old is taken over")
+    heartbeat_interval: float = 2.0
     relay_interval: float = 1.0
-    reconciler_interval: float = 5.0
+    reconciler_interval: float = 2.0
+    worker_alive_ttl: float = Field(
+        10.0, description="a worker that has not refreshed its liveness key this long is dead"
+    )
+    detect_local_dead_owners: bool = Field(
+        True, description="take over at once a job whose owner process on this host is gone"
+    )
+    max_requeues: int = Field(
+        20, ge=0, description="uncounted requeues (outages, shutdowns) before a job is dead-lettered"
+    )
     republish_after: float = Field(300.0, description="republish a job queued but unclaimed this long")
     backoff_base: float = 1.0
     backoff_cap: float = 600.0

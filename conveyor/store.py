@@ -8,15 +8,14 @@ import traceback as tb
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from sqlalchemy import Connection, and_, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
+from conveyor.claims import Claim, ClaimOutcome, Claims, counted_attempts
 from conveyor.db import schema as s
 from conveyor.db.dialect import (
-    PG_CLAIM,
     PG_SUBMIT,
     PG_SUCCEED,
     db_now,
@@ -25,31 +24,19 @@ from conveyor.db.dialect import (
     upsert,
     visible_txid_horizon,
 )
-from conveyor.db.schema import dead_letters, job_events, jobs
-from conveyor.runfile import pid_alive
+from conveyor.db.schema import Row, dead_letters, job_events, jobs, new_event
 
-Row = Mapping[Any, Any]
-
-
-class ClaimOutcome(Enum):
-    """What a delivered message should do after trying to claim its job."""
-
-    RUN = "run"
-    LIVE_LEASE = "live_lease"  # another copy holds a live lease: skip
-    ALREADY_SUCCEEDED = "already_succeeded"  # do not run; still dispatch the continuation
-    TERMINAL = "terminal"  # dead, cancelled, expired, skipped: nothing to do
-    NOT_DUE = "not_due"  # an early copy of a delayed/backing-off job: the relay owns it
-    MISSING = "missing"
-    WORKER_LOST = "worker_lost"  # its last attempt's worker died: dead-letter it (the caller)
-
-
-@dataclass(frozen=True)
-class Claim:
-    """The result of :meth:`JobStore.claim`."""
-
-    outcome: ClaimOutcome
-    job: RowMapping | None = None
-    took_over: bool = False
+__all__ = [
+    "Claim",
+    "ClaimOutcome",
+    "JobStore",
+    "NewJob",
+    "Row",
+    "counted_attempts",
+    "format_traceback",
+    "new_event",
+    "parse_cursor",
+]
 
 
 @dataclass
@@ -77,16 +64,15 @@ class NewJob:
     dedup_seq: int | None = None
 
 
-def new_event(job_id: str | None, topic: str, body: Mapping[str, Any]) -> dict[str, Any]:
-    """Values for one outbox row (insert in the same transaction as the change)."""
-    return {"job_id": job_id, "topic": topic, "body": dict(body)}
-
-
-class JobStore:
+class JobStore(Claims):
     """SQL for the job lifecycle; every method takes the caller's connection."""
 
-    def __init__(self, *, lease_timeout: float) -> None:
+    def __init__(
+        self, *, lease_timeout: float, max_requeues: int = 20, detect_local_dead_owners: bool = True
+    ) -> None:
         self.lease_timeout = lease_timeout
+        self.max_requeues = max_requeues
+        self.detect_local_dead_owners = detect_local_dead_owners
 
     # -- writes -------------------------------------------------------------------------
 
@@ -199,7 +185,7 @@ class JobStore:
                 status=s.QUEUED,
                 payload=job.payload,
                 label=job.label,
-                max_attempts=jobs.c.attempts + budget,
+                max_attempts=jobs.c.attempts - jobs.c.uncounted + budget,
                 run_at=db_now(),
                 published_at=None,
                 finished_at=None,
@@ -250,166 +236,6 @@ class JobStore:
         return task_id if res.rowcount == 1 else None
 
     # -- claim --------------------------------------------------------------------------
-
-    def fast_claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> RowMapping | None:
-        """The common case in one round trip (Postgres, autocommit); None means "ask
-        :meth:`claim`", which also explains why."""
-        if is_sqlite(conn):
-            return None
-        return conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
-
-    def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:
-        """Move ``job_id`` to ``running`` for this delivery, or say why not.
-
-        Wins from ``queued``/``retrying`` when due, unexpired and not cancelled, or from
-        ``running`` when the lease is stale (a takeover: attempt n+1). Losers lose by
-        rowcount, never by exception.
-        """
-        if is_sqlite(conn):
-            due = and_(
-                jobs.c.status.in_(s.CLAIMABLE),
-                jobs.c.run_at <= db_now(),
-                jobs.c.cancel_requested_at.is_(None),
-                or_(jobs.c.expires_at.is_(None), jobs.c.expires_at > db_now()),
-            )
-            row = self._take(conn, job_id, due, owner=owner, task_id=task_id)
-        else:
-            row = (
-                conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
-            )
-        if row is not None:
-            return Claim(ClaimOutcome.RUN, row)
-        current = self.get(conn, job_id)
-        if current is None:
-            return Claim(ClaimOutcome.MISSING)
-        status = current["status"]
-        if status == s.SUCCEEDED:
-            return Claim(ClaimOutcome.ALREADY_SUCCEEDED, current)
-        if status in s.TERMINAL:
-            return Claim(ClaimOutcome.TERMINAL, current)
-        if status == s.RUNNING:
-            if current["lease_owner"] == owner:
-                return self._retake_own(conn, current, owner=owner, task_id=task_id)
-            if _owner_dead(current["lease_owner"], owner) or self._is_stale(conn, job_id):
-                return self._takeover_dead(conn, current, owner=owner, task_id=task_id)
-            return Claim(ClaimOutcome.LIVE_LEASE, current)
-        # queued or retrying, but the claim lost: cancelled, expired, or not yet due.
-        if current["cancel_requested_at"] is not None:
-            self.finish(conn, current, s.CANCELLED, from_status=(status,), topic="job.cancelled")
-            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
-        if self._expired(conn, job_id):
-            self.finish(conn, current, s.EXPIRED, from_status=(status,), topic="job.expired")
-            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
-        return Claim(ClaimOutcome.NOT_DUE, current)
-
-    def _retake_own(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
-        """This very process held the lease and is idle: its attempt was cut short by an
-        infrastructure error (the message came back). The fencing token still grows, but
-        the budget grows with it: an outage never consumes an attempt."""
-        cond = and_(
-            jobs.c.status == s.RUNNING,
-            jobs.c.attempts == current["attempts"],
-            jobs.c.lease_owner == owner,
-        )
-        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id, extra_budget=1)
-        if row is None:
-            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
-        body = {"reason": "infrastructure", "attempt": row["attempts"]}
-        self.emit(conn, [new_event(row["id"], "job.requeued", body)])
-        return Claim(ClaimOutcome.RUN, row)
-
-    def release_uncounted(
-        self,
-        conn: Connection,
-        job_id: str,
-        attempt: int,
-        owner: str,
-        reason: str,
-        *,
-        topic: str = "job.requeued",
-    ) -> bool:
-        """CAS ``running → queued`` for an attempt stopped by an outage or a shutdown; the
-        budget grows by one so the attempt is not counted, and the relay republishes."""
-        res = conn.execute(
-            update(jobs)
-            .where(
-                jobs.c.id == job_id,
-                jobs.c.status == s.RUNNING,
-                jobs.c.attempts == attempt,
-                jobs.c.lease_owner == owner,
-            )
-            .values(
-                status=s.QUEUED,
-                max_attempts=jobs.c.max_attempts + 1,
-                published_at=None,
-                lease_owner=None,
-                run_at=db_now(),
-                updated_at=db_now(),
-                preempt_requested_at=None,
-                interrupt_sent_at=None,
-            )
-        )
-        if res.rowcount == 1:
-            self.emit(conn, [new_event(job_id, topic, {"reason": reason, "attempt": attempt})])
-        return res.rowcount == 1
-
-    def _take(
-        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str, extra_budget: int = 0
-    ) -> RowMapping | None:
-        stmt = (
-            update(jobs)
-            .where(jobs.c.id == job_id, cond)
-            .values(
-                status=s.RUNNING,
-                attempts=jobs.c.attempts + 1,
-                lease_owner=owner,
-                heartbeat_at=db_now(),
-                started_at=db_now(),
-                updated_at=db_now(),
-                celery_task_id=task_id,
-                **({"max_attempts": jobs.c.max_attempts + extra_budget} if extra_budget else {}),
-            )
-            .returning(*jobs.c)
-        )
-        return conn.execute(stmt).mappings().one_or_none()
-
-    def _takeover_dead(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
-        """Take over from a holder that is gone; dead-letter it if it used its budget."""
-        cond = and_(
-            jobs.c.status == s.RUNNING,
-            jobs.c.attempts == current["attempts"],
-            jobs.c.lease_owner == current["lease_owner"],
-        )
-        if current["attempts"] >= current["max_attempts"]:
-            return Claim(ClaimOutcome.WORKER_LOST, current)
-        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id)
-        if row is None:
-            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
-        self.emit(
-            conn,
-            [
-                new_event(
-                    row["id"],
-                    "job.stalled",
-                    {
-                        "stage": row["stage"],
-                        "previous_owner": current["lease_owner"],
-                        "attempt": row["attempts"],
-                    },
-                )
-            ],
-        )
-        return Claim(ClaimOutcome.RUN, row, took_over=True)
-
-    def _is_stale(self, conn: Connection, job_id: str) -> bool:
-        q = select(jobs.c.id).where(
-            jobs.c.id == job_id, jobs.c.heartbeat_at < db_now_plus(-self.lease_timeout)
-        )
-        return conn.execute(q).first() is not None
-
-    def _expired(self, conn: Connection, job_id: str) -> bool:
-        q = select(jobs.c.id).where(jobs.c.id == job_id, jobs.c.expires_at <= db_now())
-        return conn.execute(q).first() is not None
 
     def heartbeat(self, conn: Connection, job_id: str, attempt: int) -> bool:
         """Renew the lease; False means this attempt no longer owns the job."""
@@ -604,24 +430,6 @@ def parse_cursor(cursor: str | None) -> tuple[int, int]:
 def _insert_ignore(conn: Connection, values: dict[str, Any], index: list[str] | None) -> Any:
     stmt = upsert(conn, jobs).values(**values)
     return stmt.on_conflict_do_nothing(index_elements=index) if index else stmt.on_conflict_do_nothing()
-
-
-def _owner_dead(lease_owner: str | None, me: str) -> bool:
-    """True when the lease belongs to a process on this host that no longer exists.
-
-    Lets a redelivered message take over at once after a pool child is killed, instead of
-    waiting a full lease timeout for the reconciler.
-    """
-    if not lease_owner:
-        return True
-    host, _, rest = lease_owner.partition(":")
-    my_host = me.partition(":")[0]
-    if host != my_host:
-        return False
-    pid_text = rest.partition(":")[0]
-    if not pid_text.isdigit():
-        return False
-    return not pid_alive(int(pid_text))
 
 
 def _message(error: BaseException) -> str:

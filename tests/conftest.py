@@ -6,6 +6,7 @@ failure. The environment is set here, before the app module is imported.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
 import uuid
@@ -16,7 +17,30 @@ import pytest
 
 REDIS_BASE = os.environ.get("CONVEYOR_TEST_REDIS", "redis://127.0.0.1:6379")
 PG_BASE = os.environ.get("CONVEYOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
-REDIS_DB = 9
+
+
+def _claim_redis_db() -> int:
+    """A Redis DB no other test session on this machine uses (1-11; the benchmarks use
+    12-15). Held by an ``flock`` for the life of the session, so sessions never flush
+    each other's keys."""
+    for db in range(1, 12):
+        fd = os.open(
+            os.path.join(tempfile.gettempdir(), f"conveyor-test-redis-db-{db}.lock"),
+            os.O_RDWR | os.O_CREAT,
+            0o600,
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        _held_locks.append(fd)
+        return db
+    raise RuntimeError("more than 11 concurrent test sessions: no free Redis DB")
+
+
+_held_locks: list[int] = []
+REDIS_DB = _claim_redis_db()
 TEST_DB = f"conveyor_test_{os.getpid()}"
 HOME = tempfile.mkdtemp(prefix="conveyor-test-")
 

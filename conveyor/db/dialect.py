@@ -72,7 +72,24 @@ class db_now_plus(FunctionElement[dt.datetime]):
     inherit_cache = True
 
 
+class db_now_ms(FunctionElement[int]):
+    """The database's clock, now, as integer milliseconds since the epoch."""
+
+    type = BigInteger()
+    inherit_cache = True
+
+
 _SQLITE_NOW_MS = "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)"
+
+
+@compiles(db_now_ms, "postgresql")
+def _now_ms_pg(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str:
+    return "(SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
+
+
+@compiles(db_now_ms, "sqlite")
+def _now_ms_sqlite(element: db_now_ms, compiler: SQLCompiler, **kw: Any) -> str:
+    return _SQLITE_NOW_MS
 
 
 # As scalar subqueries: Postgres evaluates them once (an InitPlan), so unlike a bare

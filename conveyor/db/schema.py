@@ -3,6 +3,9 @@ is what the code queries. Domain tables of a deployment live in their own metada
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -57,7 +60,12 @@ jobs = Table(
     Column("payload", JSON, nullable=False),
     Column("label", String(200), nullable=True),
     Column("idempotency_key", String(200), nullable=True, unique=True),
+    # Claims so far: the fencing token, grows on every claim. ``uncounted`` of them ended
+    # without counting (outage, shutdown, preemption, parking); ``requeues`` of those were
+    # caused by an outage or a shutdown. Counted attempts = attempts - uncounted.
     Column("attempts", Integer, nullable=False, default=0),
+    Column("uncounted", Integer, nullable=False, default=0),
+    Column("requeues", Integer, nullable=False, default=0),
     Column("max_attempts", Integer, nullable=False),
     Column("run_at", Timestamp(), nullable=False),
     Column("expires_at", Timestamp(), nullable=True),
@@ -177,3 +185,11 @@ leases = Table(
     Column("reserved_priority", Integer, nullable=True),
     Column("reserved_until", Timestamp(), nullable=True),
 )
+
+
+Row = Mapping[Any, Any]
+
+
+def new_event(job_id: str | None, topic: str, body: Mapping[str, Any]) -> dict[str, Any]:
+    """Values for one outbox row (insert in the same transaction as the change)."""
+    return {"job_id": job_id, "topic": topic, "body": dict(body)}

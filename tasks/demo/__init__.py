@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import Any, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_success
@@ -201,3 +201,27 @@ def write(ctx: JobContext, p: Write) -> dict[str, str]:
     """Marks ``<note>:start`` as soon as it holds the user's lease."""
     mark(platform.engine, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=f"{p.note}:start")
     return {"user": p.user}
+
+
+class Query(BaseModel):
+    """A database failure inside a body, for the error-policy tests (``kind`` picks it)."""
+
+    kind: Literal["statement_timeout", "syntax", "data", "disconnect", "ok"]
+    fail_until_attempt: int = 99
+
+
+QUERIES = {
+    "statement_timeout": "SET LOCAL statement_timeout = 50; SELECT pg_sleep(1)",
+    "syntax": "SELEC 1",
+    "data": "SELECT CAST('not a number' AS integer)",
+    "disconnect": "SELECT pg_terminate_backend(pg_backend_pid())",
+}
+
+
+@platform.stage("conveyor.demo.query", payload=Query, queue="demo", retry=FAST_RETRY, max_attempts=2)
+def query(ctx: JobContext, p: Query) -> dict[str, Any]:
+    """Run a query that fails the way ``kind`` says until ``fail_until_attempt``."""
+    counted = ctx.attempt
+    if p.kind != "ok" and counted <= p.fail_until_attempt:
+        ctx.connection.exec_driver_sql(QUERIES[p.kind])
+    return {"attempt": counted}

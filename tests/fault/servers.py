@@ -12,7 +12,8 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
@@ -25,10 +26,15 @@ PG_BIN = Path("/usr/lib/postgresql/15/bin")
 
 @dataclass
 class PrivateRedis:
-    """A throwaway redis-server (no persistence) that tests may shut down and restart."""
+    """A throwaway redis-server that tests may shut down and restart.
+
+    No persistence by default; with ``datadir`` set it keeps an append-only file there
+    (``appendonly yes``, ``appendfsync everysec``), so a restart brings the data back.
+    """
 
     port: int
     proc: subprocess.Popen[bytes] | None = None
+    datadir: Path | None = None
 
     @property
     def url(self) -> str:
@@ -38,6 +44,9 @@ class PrivateRedis:
         return redis.Redis(port=self.port, socket_timeout=5)
 
     def start(self) -> None:
+        persistence = ["--appendonly", "no"]
+        if self.datadir is not None:
+            persistence = ["--appendonly", "yes", "--appendfsync", "everysec", "--dir", str(self.datadir)]
         self.proc = subprocess.Popen(
             [
                 str(SYSTEM_REDIS),
@@ -47,8 +56,7 @@ class PrivateRedis:
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "no",
+                *persistence,
                 "--maxmemory-policy",
                 "noeviction",
             ],
@@ -71,27 +79,46 @@ class PrivateRedis:
         if self.proc is not None:
             self.proc.wait(timeout=10)
 
+    def terminate(self) -> None:
+        """SIGTERM: a clean shutdown (the append-only file, if any, is flushed first),
+        without ``SHUTDOWN``'s client-side reconnect retries, which last seconds."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def destroy(self) -> None:
+        """Kill the server and remove its data directory (if it has one)."""
+        self.stop()
+        if self.datadir is not None:
+            shutil.rmtree(self.datadir, ignore_errors=True)
 
-def private_redis() -> PrivateRedis:
-    """Start a private Redis on a free port."""
+
+def private_redis(*, appendonly: bool = False) -> PrivateRedis:
+    """Start a private Redis on a free port (with ``appendonly``: AOF in a temp dir)."""
     if not SYSTEM_REDIS.exists():
         raise RuntimeError(f"{SYSTEM_REDIS} not found")
-    server = PrivateRedis(free_port())
+    datadir = Path(tempfile.mkdtemp(prefix="conveyor-redis-")) if appendonly else None
+    server = PrivateRedis(free_port(), datadir=datadir)
     server.start()
     return server
 
 
 @dataclass
 class PrivatePostgres:
-    """A throwaway Postgres cluster (run as the postgres user) that tests may stop."""
+    """A throwaway Postgres cluster (run as the postgres user) that tests may stop.
+
+    ``options`` are extra server settings (``-c name=value`` on every start), e.g.
+    ``{"wal_writer_delay": "10s"}``.
+    """
 
     datadir: Path
     port: int
+    options: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -122,6 +149,7 @@ class PrivatePostgres:
             f"-p {self.port} -k {self.datadir} "
             "-c listen_addresses=127.0.0.1 -c max_connections=60 -c fsync=off"
         )
+        opts += "".join(f" -c {name}={value}" for name, value in self.options.items())
         self._ctl("-o", opts, "-l", str(self.datadir / "log"), "start")
 
     def stop(self, mode: str = "fast") -> None:
@@ -133,8 +161,11 @@ class PrivatePostgres:
         shutil.rmtree(self.datadir.parent, ignore_errors=True)
 
 
-def private_postgres() -> PrivatePostgres:
-    """initdb + start a private cluster in a fresh temporary directory on a free port."""
+def private_postgres(options: Mapping[str, str] | None = None) -> PrivatePostgres:
+    """initdb + start a private cluster in a fresh temporary directory on a free port.
+
+    ``options``: extra server settings, applied on every (re)start.
+    """
     # pytest's tmp_path parents are 0700 root: the postgres user could not reach them.
     base = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
     os.chmod(base, 0o755)
@@ -160,6 +191,6 @@ def private_postgres() -> PrivatePostgres:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    server = PrivatePostgres(datadir, free_port())
+    server = PrivatePostgres(datadir, free_port(), dict(options or {}))
     server.start()
     return server

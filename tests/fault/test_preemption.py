@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from conveyor.db import schema as s
 from conveyor.db.schema import leases
+from conveyor.store import counted_attempts
 from tasks.demo.models import effects
 from tests.fault.conftest import Spawn
 from tests.helpers import effect_count, eventually
@@ -29,8 +30,7 @@ def _markers(platform: Any, prefix: str) -> dict[str, dt.datetime]:
 
 
 def _counted(platform: Any, handle: Any, stage: str) -> int:
-    row = handle.row()
-    return int(row["attempts"]) - (int(row["max_attempts"]) - platform.stages[stage].max_attempts)
+    return counted_attempts(handle.row())
 
 
 def _block_one_slot(platform: Any, tag: str) -> Any:

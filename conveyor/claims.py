@@ -1,0 +1,307 @@
+"""Claiming a delivered job: the compare-and-set that starts an attempt, and its siblings.
+
+A claim wins from ``queued``/``retrying``/``throttled`` when the job is due, unexpired and
+not cancelled, or takes over from ``running`` when the owner is known dead: a process of
+this host that is gone, or a lease that went stale while the database was reachable
+(:mod:`conveyor.liveness`). Every attempt starts by checking the job's cancel request and
+expiry, and with no stop request of the attempt before it. ``attempts`` is the fencing
+token and grows on every claim; ``uncounted`` counts the claims that did not count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import Connection, and_, or_, select, update
+from sqlalchemy.engine import RowMapping
+
+from conveyor.db import schema as s
+from conveyor.db.dialect import PG_CLAIM, db_now, db_now_plus, is_sqlite
+from conveyor.db.schema import Row, jobs, new_event
+from conveyor.liveness import takeovers_allowed
+from conveyor.runfile import pid_alive
+
+
+class ClaimOutcome(Enum):
+    """What a delivered message should do after trying to claim its job."""
+
+    RUN = "run"
+    LIVE_LEASE = "live_lease"  # another copy holds a live lease: skip
+    ALREADY_SUCCEEDED = "already_succeeded"  # do not run; still dispatch the continuation
+    TERMINAL = "terminal"  # dead, cancelled, expired, skipped: nothing to do
+    NOT_DUE = "not_due"  # an early copy of a delayed/backing-off job: the relay owns it
+    MISSING = "missing"
+    WORKER_LOST = "worker_lost"  # its last attempt's worker died: dead-letter it (the caller)
+    REQUEUES_EXHAUSTED = "requeues_exhausted"  # infrastructure kept failing: dead-letter it
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The result of :meth:`JobStore.claim`."""
+
+    outcome: ClaimOutcome
+    job: RowMapping | None = None
+    took_over: bool = False
+
+
+def counted_attempts(row: Row) -> int:
+    """Attempts that count against ``max_attempts``: claims minus uncounted ones."""
+    return int(row["attempts"]) - int(row["uncounted"] or 0)
+
+
+class Claims:
+    """The claim half of :class:`~conveyor.store.JobStore` (a mixin: it uses the store's
+    ``get``, ``emit`` and ``finish``)."""
+
+    lease_timeout: float
+    max_requeues: int
+    detect_local_dead_owners: bool
+
+    def get(self, conn: Connection, job_id: str) -> RowMapping | None:
+        raise NotImplementedError
+
+    def emit(self, conn: Connection, events: Any) -> None:
+        raise NotImplementedError
+
+    def finish(
+        self,
+        conn: Connection,
+        job: Row,
+        status: str,
+        *,
+        from_status: Iterable[str],
+        topic: str,
+        attempt: int | None = None,
+        body: Mapping[str, Any] | None = None,
+        error: str | None = None,
+    ) -> bool:
+        raise NotImplementedError
+
+    def fast_claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> RowMapping | None:
+        """The common case in one round trip (Postgres, autocommit); None means "ask
+        :meth:`claim`", which also explains why."""
+        if is_sqlite(conn):
+            return None
+        return conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
+
+    def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:
+        """Move ``job_id`` to ``running`` for this delivery, or say why not.
+
+        Wins from ``queued``/``retrying`` when due, unexpired and not cancelled, or from
+        ``running`` when the lease is stale (a takeover: attempt n+1). Losers lose by
+        rowcount, never by exception.
+        """
+        if is_sqlite(conn):
+            due = and_(
+                jobs.c.status.in_(s.CLAIMABLE),
+                jobs.c.run_at <= db_now(),
+                jobs.c.cancel_requested_at.is_(None),
+                or_(jobs.c.expires_at.is_(None), jobs.c.expires_at > db_now()),
+            )
+            row = self._take(conn, job_id, due, owner=owner, task_id=task_id)
+        else:
+            row = (
+                conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
+            )
+        if row is not None:
+            return Claim(ClaimOutcome.RUN, row)
+        current = self.get(conn, job_id)
+        if current is None:
+            return Claim(ClaimOutcome.MISSING)
+        status = current["status"]
+        if status == s.SUCCEEDED:
+            return Claim(ClaimOutcome.ALREADY_SUCCEEDED, current)
+        if status in s.TERMINAL:
+            return Claim(ClaimOutcome.TERMINAL, current)
+        if status == s.RUNNING:
+            mine = current["lease_owner"] == owner
+            if not mine and not self._owner_gone(conn, current, owner):
+                return Claim(ClaimOutcome.LIVE_LEASE, current)
+            stopped = self._stopped_before_attempt(conn, current)
+            if stopped is not None:
+                return stopped
+            if mine:
+                return self._retake_own(conn, current, owner=owner, task_id=task_id)
+            return self._takeover_dead(conn, current, owner=owner, task_id=task_id)
+        # queued or retrying, but the claim lost: cancelled, expired, or not yet due.
+        if current["cancel_requested_at"] is not None:
+            self.finish(conn, current, s.CANCELLED, from_status=(status,), topic="job.cancelled")
+            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
+        if self._expired(conn, job_id):
+            self.finish(conn, current, s.EXPIRED, from_status=(status,), topic="job.expired")
+            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
+        return Claim(ClaimOutcome.NOT_DUE, current)
+
+    def _owner_gone(self, conn: Connection, current: RowMapping, me: str) -> bool:
+        """The running attempt's owner is known dead (a process of this host that no longer
+        exists) or its lease went stale while the database was reachable."""
+        if self.detect_local_dead_owners and _owner_dead(current["lease_owner"], me):
+            return True
+        return self._is_stale(conn, current["id"])
+
+    def _stopped_before_attempt(self, conn: Connection, current: RowMapping) -> Claim | None:
+        """Every attempt starts by checking the job's cancel request and expiry, a takeover
+        included: a job cancelled or expired while its last attempt died ends here."""
+        if current["cancel_requested_at"] is not None:
+            status, topic = s.CANCELLED, "job.cancelled"
+        elif self._expired(conn, current["id"]):
+            status, topic = s.EXPIRED, "job.expired"
+        else:
+            return None
+        body = {"while": "takeover", "previous_owner": current["lease_owner"]}
+        if self.finish(conn, current, status, from_status=(s.RUNNING,), topic=topic, body=body):
+            return Claim(ClaimOutcome.TERMINAL, self.get(conn, current["id"]))
+        return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
+
+    def _retake_own(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
+        """This very process held the lease and is idle: its attempt was cut short by an
+        infrastructure error (the message came back). The fencing token still grows; the
+        attempt does not count, but the requeue does (up to ``max_requeues``)."""
+        if int(current["requeues"]) >= self.max_requeues:
+            return Claim(ClaimOutcome.REQUEUES_EXHAUSTED, current)
+        cond = and_(
+            jobs.c.status == s.RUNNING,
+            jobs.c.attempts == current["attempts"],
+            jobs.c.lease_owner == owner,
+        )
+        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id, uncounted=True)
+        if row is None:
+            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
+        body = {"reason": "infrastructure", "attempt": row["attempts"]}
+        self.emit(conn, [new_event(row["id"], "job.requeued", body)])
+        return Claim(ClaimOutcome.RUN, row)
+
+    def release_uncounted(
+        self,
+        conn: Connection,
+        job_id: str,
+        attempt: int | None,
+        owner: str,
+        reason: str,
+        *,
+        topic: str = "job.requeued",
+        requeue: bool = True,
+    ) -> str:
+        """CAS ``running → queued`` for an attempt that must not count: stopped by an
+        outage or a shutdown (``requeue``: bounded by ``max_requeues``) or preempted. The
+        relay republishes it. ``attempt`` None matches the owner's current attempt (the
+        worker's main process does not know it).
+
+        Returns ``"released"``, ``"exhausted"`` (the requeue bound is reached: the caller
+        dead-letters the job) or ``"refused"`` (the attempt no longer owns the job).
+        """
+        cond = [jobs.c.id == job_id, jobs.c.status == s.RUNNING, jobs.c.lease_owner == owner]
+        if attempt is not None:
+            cond.append(jobs.c.attempts == attempt)
+        current = conn.execute(select(jobs.c.attempts, jobs.c.requeues).where(*cond)).first()
+        if current is None:
+            return "refused"
+        if requeue and int(current.requeues) >= self.max_requeues:
+            return "exhausted"
+        values: dict[str, Any] = {"uncounted": jobs.c.uncounted + 1}
+        if requeue:
+            values["requeues"] = jobs.c.requeues + 1
+        res = conn.execute(
+            update(jobs)
+            .where(*cond, jobs.c.attempts == current.attempts)
+            .values(
+                status=s.QUEUED,
+                published_at=None,
+                lease_owner=None,
+                run_at=db_now(),
+                updated_at=db_now(),
+                preempt_requested_at=None,
+                interrupt_sent_at=None,
+                **values,
+            )
+        )
+        if res.rowcount != 1:
+            return "refused"
+        body = {"reason": reason, "attempt": int(current.attempts)}
+        self.emit(conn, [new_event(job_id, topic, body)])
+        return "released"
+
+    def _take(
+        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str, uncounted: bool = False
+    ) -> RowMapping | None:
+        """The claim CAS. A new attempt starts with no stop request of the last one."""
+        extra = {"uncounted": jobs.c.uncounted + 1, "requeues": jobs.c.requeues + 1} if uncounted else {}
+        stmt = (
+            update(jobs)
+            .where(jobs.c.id == job_id, cond)
+            .values(
+                status=s.RUNNING,
+                attempts=jobs.c.attempts + 1,
+                lease_owner=owner,
+                heartbeat_at=db_now(),
+                started_at=db_now(),
+                updated_at=db_now(),
+                celery_task_id=task_id,
+                preempt_requested_at=None,
+                interrupt_sent_at=None,
+                **extra,
+            )
+            .returning(*jobs.c)
+        )
+        return conn.execute(stmt).mappings().one_or_none()
+
+    def _takeover_dead(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
+        """Take over from a holder that is gone; dead-letter it if it used its budget."""
+        cond = and_(
+            jobs.c.status == s.RUNNING,
+            jobs.c.attempts == current["attempts"],
+            jobs.c.lease_owner == current["lease_owner"],
+        )
+        if counted_attempts(current) >= current["max_attempts"]:
+            return Claim(ClaimOutcome.WORKER_LOST, current)
+        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id)
+        if row is None:
+            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
+        self.emit(
+            conn,
+            [
+                new_event(
+                    row["id"],
+                    "job.stalled",
+                    {
+                        "stage": row["stage"],
+                        "previous_owner": current["lease_owner"],
+                        "attempt": row["attempts"],
+                    },
+                )
+            ],
+        )
+        return Claim(ClaimOutcome.RUN, row, took_over=True)
+
+    def _is_stale(self, conn: Connection, job_id: str) -> bool:
+        q = select(jobs.c.id).where(
+            jobs.c.id == job_id,
+            jobs.c.heartbeat_at < db_now_plus(-self.lease_timeout),
+            takeovers_allowed(self.lease_timeout),
+        )
+        return conn.execute(q).first() is not None
+
+    def _expired(self, conn: Connection, job_id: str) -> bool:
+        q = select(jobs.c.id).where(jobs.c.id == job_id, jobs.c.expires_at <= db_now())
+        return conn.execute(q).first() is not None
+
+
+def _owner_dead(lease_owner: str | None, me: str) -> bool:
+    """True when the lease belongs to a process on this host that no longer exists.
+
+    Lets a redelivered message take over at once after a pool child is killed, instead of
+    waiting a full lease timeout for the reconciler.
+    """
+    if not lease_owner:
+        return True
+    host, _, rest = lease_owner.partition(":")
+    my_host = me.partition(":")[0]
+    if host != my_host:
+        return False
+    pid_text = rest.partition(":")[0]
+    if not pid_text.isdigit():
+        return False
+    return not pid_alive(int(pid_text))

@@ -1,0 +1,159 @@
+"""What runs beside a stage body in its process: lease renewal, stop requests, interrupts.
+
+One daemon thread per process renews the running job's lease, reads its stop request
+(the Redis fast flag often, Postgres at least every ``preempt_grace / 2``, so a request
+whose fast flag was lost is still seen in time) and flushes requeues that an outage
+delayed.
+
+The escalation of a stop request that no checkpoint honoured is a signal of its own,
+SIGUSR2 (billiard delivers soft time limits on SIGUSR1, so a shared signal could not tell
+the two apart). The handler raises ``Preempted``/``Cancelled`` only when the job this
+process runs *now*, at this attempt, carries a stop request; an interrupt that arrives
+before the request is known asks the thread to read Postgres at once and to signal again
+if there is one; any other interrupt is ignored and the job runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from conveyor.errors import Cancelled, Preempted
+from conveyor.leases import CANCEL, PREEMPT
+
+if TYPE_CHECKING:
+    from conveyor.context import JobContext
+    from conveyor.platform import Platform
+
+log = logging.getLogger("conveyor.heartbeat")
+
+INTERRUPT_SIGNAL = signal.SIGUSR2
+
+
+class Heartbeat:
+    """The per-process companion thread of the running job (see the module docs)."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self._current: JobContext | None = None
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._signal_pid = 0
+        self._wake = threading.Event()
+        self._interrupt_pending = False
+        self.pending_release: dict[str, tuple[int, str]] = {}
+
+    @property
+    def current(self) -> JobContext | None:
+        """The job context this process is running now."""
+        return self._current
+
+    def track(self, ctx: JobContext | None) -> None:
+        """Start (or stop, with None) renewing ``ctx``'s lease."""
+        self._interrupt_pending = False
+        self._current = ctx
+        if ctx is not None:
+            self._ensure_thread()
+
+    def release_later(self, job_id: str, attempt: int, owner: str) -> None:
+        """Requeue ``job_id`` without counting the attempt as soon as the database answers."""
+        self.pending_release[job_id] = (attempt, owner)
+        self._ensure_thread()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="conveyor-heartbeat", daemon=True)
+            self._thread.start()
+
+    # -- the interrupt signal -------------------------------------------------------------
+
+    def install_interrupt_handler(self) -> None:
+        """Install the SIGUSR2 handler in this process (pool child or solo worker)."""
+        if self._signal_pid == os.getpid() or threading.current_thread() is not threading.main_thread():
+            return
+        self._signal_pid = os.getpid()
+        signal.signal(INTERRUPT_SIGNAL, self._on_interrupt)
+
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        # Runs in the main thread between bytecodes: memory only, no I/O.
+        ctx = self._current
+        if ctx is None:
+            return
+        if ctx.stop_requested == PREEMPT:
+            raise Preempted(f"job {ctx.job_id} interrupted: it did not yield its lease in time")
+        if ctx.stop_requested == CANCEL:
+            raise Cancelled(f"job {ctx.job_id} interrupted after cancel()")
+        self._interrupt_pending = True
+        self._wake.set()
+
+    # -- the thread -----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        settings = self.platform.settings
+        poll = min(settings.stop_poll_interval, settings.heartbeat_interval)
+        db_poll = max(poll, min(settings.heartbeat_interval, settings.preempt_grace / 2))
+        next_beat = time.monotonic() + settings.heartbeat_interval
+        next_db_poll = time.monotonic() + db_poll
+        while True:
+            woken = self._wake.wait(poll)
+            self._wake.clear()
+            ctx = self._current
+            if ctx is not None and ctx.stop_requested is None:
+                try:
+                    ctx.stop_requested = self.platform.leases.stop_requested(ctx.job_id, ctx.attempt)
+                    if ctx.stop_requested is None and (woken or time.monotonic() >= next_db_poll):
+                        next_db_poll = time.monotonic() + db_poll
+                        ctx.stop_requested = self.platform.leases.stop_requested_db(ctx.job_id, ctx.attempt)
+                except Exception:  # an outage; the next poll tries again
+                    log.debug("stop-request poll failed", exc_info=True)
+            self._deliver_pending_interrupt(ctx)
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + settings.heartbeat_interval
+            if self.pending_release:
+                self._flush_releases()
+            if ctx is None or ctx is not self._current:
+                continue
+            try:
+                self._beat(ctx)
+            except Exception:  # the database may blip; the next beat tries again
+                log.warning("heartbeat failed for job %s", ctx.job_id, exc_info=True)
+
+    def _deliver_pending_interrupt(self, ctx: JobContext | None) -> None:
+        """An interrupt came before its stop request was known here: now that the request
+        is known, signal again so the handler raises; with no request, forget it."""
+        if not self._interrupt_pending or ctx is None or ctx is not self._current:
+            return
+        self._interrupt_pending = False
+        if ctx.stop_requested is not None:
+            os.kill(os.getpid(), INTERRUPT_SIGNAL)
+        else:
+            log.info("ignored an interrupt for job %s attempt %s: no stop request", ctx.job_id, ctx.attempt)
+
+    def _flush_releases(self) -> None:
+        runner = self.platform.runner
+        for job_id, (attempt, owner) in list(self.pending_release.items()):
+            try:
+                runner.requeue_uncounted(job_id, attempt, owner, "infrastructure", defer=False)
+            except Exception:  # still down; try again next beat
+                log.info("database still unreachable; %d release(s) pending", len(self.pending_release))
+                return
+            self.pending_release.pop(job_id, None)
+
+    def _beat(self, ctx: JobContext) -> None:
+        p = self.platform
+        with p.engine.begin() as conn:
+            if not p.store.heartbeat(conn, ctx.job_id, ctx.attempt):
+                ctx.lease_lost = True
+            if ctx.held is not None and not p.leases.renew(conn, ctx.held, ctx.job_id):
+                ctx.lease_lost = True
+        if ctx.slot is not None:
+            p.admission.renew(ctx.slot)
+
+
+__all__ = ["INTERRUPT_SIGNAL", "Heartbeat"]

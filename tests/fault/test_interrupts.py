@@ -1,0 +1,96 @@
+"""Interrupts stop only the jobs that were asked to stop, and a stop request is seen even
+when its Redis fast flag is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+from sqlalchemy import select, update
+
+from conveyor.db import schema as s
+from conveyor.db.schema import leases
+from conveyor.heartbeat import INTERRUPT_SIGNAL
+from tests.fault.conftest import Spawn
+from tests.fault.test_preemption import _markers
+from tests.helpers import dead_letter_for, effect_count, eventually, job_row
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
+
+
+def _running(platform: Any, handle: Any) -> Any:
+    return eventually(lambda: (r := job_row(platform, handle.id))["status"] == s.RUNNING and r, timeout=60)
+
+
+def test_an_interrupt_nobody_asked_for_is_ignored(platform: Any, spawn: Spawn, tag: str) -> None:
+    spawn()
+    handle = platform.submit("conveyor.demo.effect", {"note": tag, "sleep": 3})
+    row = _running(platform, handle)
+    arguments = {"job_id": handle.id, "attempt": row["attempts"], "task_id": row["celery_task_id"]}
+    replies = platform.app.control.broadcast("conveyor_interrupt", arguments=arguments, reply=True, timeout=5)
+    assert any("signalled" in str(r) for r in replies), replies
+    os.kill(int(row["lease_owner"].split(":")[1]), INTERRUPT_SIGNAL)  # and a raw one
+    assert handle.wait(60) == s.SUCCEEDED
+    assert handle.row()["attempts"] == 1 and effect_count(platform, note=tag) == 1
+
+
+def test_a_soft_time_limit_still_fires(platform: Any, spawn: Spawn, tag: str) -> None:
+    spawn(env={"CONVEYOR_STAGES": '{"conveyor.demo.effect": {"time_limit": 10, "soft_time_limit": 1}}'})
+    handle = platform.submit("conveyor.demo.effect", {"note": tag, "sleep": 8})
+    assert handle.wait(60) == s.DEAD
+    letter = dead_letter_for(platform, handle.id)
+    assert letter["error_type"] == "SoftTimeLimitExceeded" and "soft time limit" in letter["message"]
+    assert handle.row()["attempts"] == 1
+
+
+def test_preemption_request_seen_without_its_redis_flag(platform: Any, spawn: Spawn, tag: str) -> None:
+    """The request is in Postgres only (the fast flag lost, e.g. with a Redis wipe): the
+    holder still stops at a checkpoint within the grace, ends preempted, never dead."""
+    spawn(env={"CONVEYOR_PREEMPT_GRACE": "2"})
+    holder = platform.submit(
+        "conveyor.demo.sync", {"user": tag, "note": tag, "records": 5000, "per_record": 0.001}
+    )
+    eventually(lambda: f"{tag}:start:1" in _markers(platform, tag), timeout=60)
+    with platform.engine.begin() as conn:
+        lease = conn.execute(select(leases).where(leases.c.key == f"user:{tag}")).mappings().one()
+        assert platform.leases.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
+    platform.redis.delete(f"{platform.settings.key_prefix}stop:{holder.id}")
+    eventually(lambda: "job.preempted" in [e.topic for e in holder.events()[0]], timeout=10)
+    with platform.engine.begin() as conn:  # the (imaginary) preemptor is done with the lease
+        conn.execute(update(leases).where(leases.c.key == f"user:{tag}").values(reserved_job=None))
+    assert holder.wait(120) == s.SUCCEEDED
+    topics = [e.topic for e in holder.events()[0]]
+    assert "job.dead" not in topics and "job.interrupt_sent" not in topics  # seen within the grace
+    row = holder.row()
+    assert row["attempts"] - row["uncounted"] == 1
+
+
+def test_interrupt_before_the_request_is_known_still_stops_the_holder(
+    platform: Any, spawn: Spawn, tag: str
+) -> None:
+    """The escalation arrives before the holder has read the request (it ignores
+    checkpoints and its fast flag is gone): it is preempted, not killed, not dead."""
+    spawn(env={"CONVEYOR_PREEMPT_GRACE": "30"})  # the heartbeat would read Postgres only after 15 s
+    holder = platform.submit(
+        "conveyor.demo.sync",
+        {
+            "user": tag,
+            "note": tag,
+            "records": 5000,
+            "per_record": 0.001,
+            "ignore_checkpoints_on_first_attempt": True,
+        },
+    )
+    eventually(lambda: f"{tag}:start:1" in _markers(platform, tag), timeout=60)
+    with platform.engine.begin() as conn:
+        lease = conn.execute(select(leases).where(leases.c.key == f"user:{tag}")).mappings().one()
+        assert platform.leases.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
+        conn.execute(update(leases).where(leases.c.key == f"user:{tag}").values(reserved_job=None))
+    row = job_row(platform, holder.id)
+    os.kill(int(row["lease_owner"].split(":")[1]), signal.SIGUSR2)
+    eventually(lambda: "job.preempted" in [e.topic for e in holder.events()[0]], timeout=10)
+    assert f"{tag}:cleanup:1" in _markers(platform, tag)  # interrupted at a bytecode, not killed
+    assert holder.wait(120) == s.SUCCEEDED
+    assert "job.dead" not in [e.topic for e in holder.events()[0]]

@@ -1,0 +1,77 @@
+"""`conveyor up` restarts a child that dies instead of stopping the whole stack."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conveyor.db import schema as s
+from conveyor.runfile import pid_alive
+from tests.helpers import effect_count, eventually, job_row
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.fault]
+
+CONVEYOR = str(Path(sys.executable).parent / "conveyor")
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The live child processes of ``pid`` and their command lines (from /proc)."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found[int(entry.name)] = cmdline
+    return found
+
+
+def _worker_pid(up: subprocess.Popen[str], other_than: int = 0) -> int:
+    pids = [p for p, cmd in _children(up.pid).items() if " worker " in cmd and p != other_than]
+    return pids[0] if len(pids) == 1 else 0
+
+
+def test_up_restarts_a_killed_worker(platform: Any, tmp_path: Path, tag: str) -> None:
+    # The session's Redis DB and Postgres database (CONVEYOR_REDIS_URL/DATABASE_URL are set
+    # by tests/conftest.py), a home of its own for run.json and the logs.
+    env = {**os.environ, "CONVEYOR_HOME": str(tmp_path)}
+    up = subprocess.Popen(
+        [CONVEYOR, "up", "--concurrency", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    worker_log = tmp_path / "logs" / "worker.log"
+    try:
+        eventually(lambda: worker_log.exists() and " ready." in worker_log.read_text(), timeout=60)
+        first = eventually(lambda: _worker_pid(up), timeout=10)
+        os.killpg(first, signal.SIGKILL)  # the worker and its pool, as if the machine killed it
+        second = eventually(lambda: _worker_pid(up, other_than=first), timeout=30)
+        eventually(lambda: worker_log.read_text().count(" ready.") == 2, timeout=60)
+        assert up.poll() is None, "conveyor up stopped when its worker died"
+        job = platform.submit("conveyor.demo.effect", {"note": tag})
+        eventually(lambda: job_row(platform, job.id)["status"] == s.SUCCEEDED, timeout=60)
+        assert effect_count(platform, note=tag) == 1
+        assert second in _children(up.pid)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        out, _ = up.communicate(timeout=60)
+    said = " ".join(out.split())  # rich wraps long lines when it is not writing to a terminal
+    assert up.returncode == 0, out
+    assert f"worker (pid {first}) exited with code -9; restarting in 1s" in said, out
+    assert f"worker restarted (pid {second})" in said, out
+    assert not pid_alive(second), "conveyor up left its worker running"
+    assert not (tmp_path / "run.json").exists()
