@@ -8,11 +8,13 @@ restarts the *resumed* clock, and no lease is taken over until a whole lease tim
 passed since then: long enough for every live holder to renew.
 
 *A message taken by a worker that died before claiming it* sits in the broker's unacked
-set for the visibility timeout, while its job still looks queued. Each worker records
-every delivery (job id, time) in Redis before the claim, and refreshes a liveness key;
-the reconciler republishes at once the still-unclaimed deliveries of a worker whose key
-expired, instead of waiting for ``republish_after`` (which cannot tell a lost message
-from a long queue).
+set for the visibility timeout, or is gone altogether (a SIGKILLed process's socket stays
+open for a moment, and Redis answers its pending BRPOP with the next message pushed),
+while its job still looks queued. Each worker records every delivery (job id, time) in
+Redis before the claim, and refreshes a liveness key with the time of its last beat; the
+reconciler republishes at once, for a worker whose key expired, its still-unclaimed
+deliveries and the still-unclaimed jobs published while it was dying, instead of waiting
+for ``republish_after`` (which cannot tell a lost message from a long queue).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -60,6 +63,14 @@ def takeovers_allowed(lease_timeout: float) -> ColumnElement[bool]:
     return ~recent if lease_timeout > 0 else true()
 
 
+@dataclass(frozen=True)
+class Orphan:
+    """A worker found dead: when it last beat, and the jobs delivered to it since."""
+
+    last_beat: float
+    delivered: list[str]
+
+
 class Deliveries:
     """Per-worker delivery records and liveness keys in Redis."""
 
@@ -69,6 +80,11 @@ class Deliveries:
         self.alive_ttl = alive_ttl
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @property
+    def beat_interval(self) -> float:
+        """How often a live worker refreshes its key."""
+        return self.alive_ttl / 4
 
     def _workers(self) -> str:
         return f"{self.prefix}workers"
@@ -88,7 +104,7 @@ class Deliveries:
         r = self._redis()
         pipe = r.pipeline(transaction=False)
         pipe.set(self._alive(worker), "1", px=int(self.alive_ttl * 1000))
-        pipe.sadd(self._workers(), worker)
+        pipe.hset(self._workers(), worker, repr(time.time()))
         pipe.zremrangebyscore(self._taken(worker), "-inf", time.time() - 6 * self.alive_ttl)
         pipe.execute()
 
@@ -102,7 +118,7 @@ class Deliveries:
                     self.beat(worker)
                 except Exception:  # Redis down: the key expires, the reconciler decides
                     log.debug("liveness beat failed", exc_info=True)
-                if self._stop.wait(self.alive_ttl / 4):
+                if self._stop.wait(self.beat_interval):
                     return
 
         self._thread = threading.Thread(target=loop, name="conveyor-liveness", daemon=True)
@@ -114,30 +130,31 @@ class Deliveries:
         try:
             r = self._redis()
             r.delete(self._alive(worker), self._taken(worker))
-            r.srem(self._workers(), worker)
+            r.hdel(self._workers(), worker)
         except Exception:
             log.debug("could not deregister worker %s", worker, exc_info=True)
 
-    def orphans(self) -> dict[str, list[str]]:
-        """Job ids recently delivered to workers that are no longer alive."""
+    def orphans(self) -> dict[str, Orphan]:
+        """Workers that are no longer alive: their last beat and recent deliveries."""
         r = self._redis()
-        out: dict[str, list[str]] = {}
-        for raw in r.smembers(self._workers()) or ():
+        out: dict[str, Orphan] = {}
+        for raw, beat in (r.hgetall(self._workers()) or {}).items():
             worker = _text(raw)
             if r.exists(self._alive(worker)):
                 continue
-            out[worker] = [_text(j) for j in r.zrange(self._taken(worker), 0, -1)]
+            delivered = [_text(j) for j in r.zrange(self._taken(worker), 0, -1)]
+            out[worker] = Orphan(last_beat=float(_text(beat)), delivered=delivered)
         return out
 
     def forget(self, worker: str) -> None:
         """Drop a dead worker's records (after its deliveries were republished)."""
         r = self._redis()
         r.delete(self._taken(worker))
-        r.srem(self._workers(), worker)
+        r.hdel(self._workers(), worker)
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-__all__ = ["Deliveries", "note_tick", "takeovers_allowed"]
+__all__ = ["Deliveries", "Orphan", "note_tick", "takeovers_allowed"]

@@ -6,6 +6,7 @@ lock makes sure only one process in the cluster does the work at a time.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
 from conveyor.errors import WorkerLost
-from conveyor.liveness import note_tick, takeovers_allowed
+from conveyor.liveness import Orphan, note_tick, takeovers_allowed
 from conveyor.store import counted_attempts, new_event
 
 if TYPE_CHECKING:
@@ -27,6 +28,8 @@ log = logging.getLogger("conveyor.relay")
 
 RELAY_LOCK = 0x636F6E76  # "conv"
 BATCH = 500
+# Clocks of a worker host and of the database differ a little: widen the dying window.
+DYING_MARGIN = 2.0
 
 
 @dataclass
@@ -61,14 +64,21 @@ class Relay:
         p = self.platform
         report = TickReport()
         self._burials = []
+        settings = p.settings
+        # The pass clock first, in a transaction of its own: it measures whether the
+        # *database* was reachable (leases are renewed there), so a Redis outage that fails
+        # the rest of this pass must not read as a gap.
+        with p.engine.begin() as conn:
+            if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
+                report.skipped_lock = True
+                return report
+            note_tick(conn, gap=max(3 * settings.relay_interval, 2 * settings.heartbeat_interval))
         epoch = p.broker.epoch(max_age=0)
         orphans = p.deliveries.orphans() if reconcile else {}
         with p.engine.begin() as conn:
-            if not try_singleton_lock(conn, RELAY_LOCK, p.settings.resolved_home()):
+            if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
                 report.skipped_lock = True
                 return report
-            settings = p.settings
-            note_tick(conn, gap=max(3 * settings.relay_interval, 2 * settings.heartbeat_interval))
             due = (
                 conn.execute(
                     select(jobs)
@@ -121,20 +131,32 @@ class Relay:
         report.republished = len(marked) - report.published
         return report
 
-    def _taken_by_dead_workers(
-        self, conn: Any, orphans: dict[str, list[str]], *, seen: set[str]
-    ) -> list[Any]:
-        """Jobs whose message a dead worker took and never claimed: still queued and
-        published. Marked for publish again at once (a message merely waiting in a long
-        queue has no delivery record, so it is never copied)."""
-        ids = sorted({j for taken in orphans.values() for j in taken} - seen)
-        if not ids:
+    def _taken_by_dead_workers(self, conn: Any, orphans: dict[str, Orphan], *, seen: set[str]) -> list[Any]:
+        """Jobs whose message a dead worker may have taken and never claimed, still queued
+        and published, marked for publish again at once:
+
+        * the ones it recorded as delivered to it (a message merely waiting in a long queue
+          has no delivery record, so it is never copied);
+        * the ones published while it was dying: a SIGKILLed process's sockets stay open
+          for a moment, and Redis answers its pending BRPOP with the next message pushed,
+          which then vanishes with it before anything is recorded. Copied once per dead
+          worker, only for that window.
+        """
+        if not orphans:
             return []
         published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
-        rows = list(conn.execute(select(jobs).where(jobs.c.id.in_(ids), published)).mappings())
-        if rows:
-            log.info("republishing %d job(s) taken by dead worker(s) %s", len(rows), ", ".join(orphans))
-        return rows
+        ids = sorted({j for o in orphans.values() for j in o.delivered} - seen)
+        rows = list(conn.execute(select(jobs).where(jobs.c.id.in_(ids), published)).mappings()) if ids else []
+        beat = self.platform.deliveries.beat_interval
+        for orphan in orphans.values():
+            start = dt.datetime.fromtimestamp(orphan.last_beat - DYING_MARGIN, dt.UTC)
+            end = dt.datetime.fromtimestamp(orphan.last_beat + beat + DYING_MARGIN, dt.UTC)
+            window = and_(published, jobs.c.published_at >= start, jobs.c.published_at <= end)
+            rows += conn.execute(select(jobs).where(window).limit(BATCH)).mappings()
+        unique = {r["id"]: r for r in rows if r["id"] not in seen}
+        if unique:
+            log.info("republishing %d job(s) of dead worker(s) %s", len(unique), ", ".join(orphans))
+        return list(unique.values())
 
     def _copy_dedup_events(self) -> None:
         """Move fast-path dedup events from their Redis stream into the outbox.

@@ -64,7 +64,7 @@ def test_message_taken_by_a_worker_killed_before_its_claim_runs_within_30s(
     prefix = platform.settings.key_prefix
 
     def delivered() -> bool:
-        workers = [w.decode() for w in r.smembers(f"{prefix}workers")]
+        workers = [w.decode() for w in r.hkeys(f"{prefix}workers")]
         return any(r.zscore(f"{prefix}delivered:{w}", handle.id) is not None for w in workers)
 
     eventually(delivered, timeout=30)
