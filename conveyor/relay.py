@@ -73,44 +73,27 @@ class Relay:
                 report.skipped_lock = True
                 return report
             note_tick(conn, gap=max(3 * settings.relay_interval, 2 * settings.heartbeat_interval))
-        epoch = p.broker.epoch(max_age=0)
-        orphans = p.deliveries.orphans() if reconcile else {}
+        try:
+            epoch: str | None = p.broker.epoch(max_age=0)
+        except Exception:
+            if not reconcile:
+                raise
+            # Redis is unreachable: still repair stalls and expiry in the database; what
+            # this requeues is published as soon as Redis answers again.
+            log.warning("Redis unreachable: reconciling in the database only", exc_info=True)
+            epoch = None
+        orphans = p.deliveries.orphans() if reconcile and epoch is not None else {}
         with p.engine.begin() as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
                 report.skipped_lock = True
                 return report
-            due = (
-                conn.execute(
-                    select(jobs)
-                    .where(
-                        jobs.c.status.in_(s.CLAIMABLE),
-                        jobs.c.published_at.is_(None),
-                        jobs.c.run_at <= db_now(),
-                    )
-                    .order_by(jobs.c.priority.desc(), jobs.c.run_at)
-                    .limit(BATCH)
-                )
-                .mappings()
-                .all()
-            )
-            # Two index-friendly queries rather than one OR: a wiped broker, and a message
-            # that sat unclaimed too long under the current epoch.
-            published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
-            other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
-            unclaimed = and_(
-                jobs.c.broker_epoch == epoch, jobs.c.published_at < db_now_plus(-p.settings.republish_after)
-            )
-            lost = [
-                *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
-                *conn.execute(select(jobs).where(published, unclaimed).limit(BATCH)).mappings(),
-                *self._taken_by_dead_workers(conn, orphans, seen={r["id"] for r in due}),
-            ]
-            marked = [
-                (row, task_id)
-                for row in [*due, *lost]
-                if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
-            ]
-            finished = self._reconcile(conn, report) if reconcile else []
+            # Reconcile first: a job it requeues is published in this very pass.
+            finished = self._reconcile(conn, report, redis_up=epoch is not None) if reconcile else []
+            marked = self._mark_publishable(conn, epoch, orphans) if epoch is not None else []
+        if epoch is None:
+            for job_id, status, dedup_key in finished:
+                p.finished(job_id, status, dedup_key=dedup_key)
+            return report
         for worker in orphans:
             p.deliveries.forget(worker)
         self._copy_dedup_events()
@@ -130,6 +113,42 @@ class Relay:
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
         report.republished = len(marked) - report.published
         return report
+
+    def _mark_publishable(self, conn: Any, epoch: str, orphans: dict[str, Orphan]) -> list[tuple[Any, str]]:
+        """Due jobs and jobs whose message was lost, each marked published under ``epoch``
+        with a fresh task id (published after commit)."""
+        p = self.platform
+        due = (
+            conn.execute(
+                select(jobs)
+                .where(
+                    jobs.c.status.in_(s.CLAIMABLE),
+                    jobs.c.published_at.is_(None),
+                    jobs.c.run_at <= db_now(),
+                )
+                .order_by(jobs.c.priority.desc(), jobs.c.run_at)
+                .limit(BATCH)
+            )
+            .mappings()
+            .all()
+        )
+        # Two index-friendly queries rather than one OR: a wiped broker, and a message
+        # that sat unclaimed too long under the current epoch.
+        published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
+        other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
+        unclaimed = and_(
+            jobs.c.broker_epoch == epoch, jobs.c.published_at < db_now_plus(-p.settings.republish_after)
+        )
+        lost = [
+            *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
+            *conn.execute(select(jobs).where(published, unclaimed).limit(BATCH)).mappings(),
+            *self._taken_by_dead_workers(conn, orphans, seen={r["id"] for r in due}),
+        ]
+        return [
+            (row, task_id)
+            for row in [*due, *lost]
+            if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
+        ]
 
     def _taken_by_dead_workers(self, conn: Any, orphans: dict[str, Orphan], *, seen: set[str]) -> list[Any]:
         """Jobs whose message a dead worker may have taken and never claimed, still queued
@@ -196,8 +215,14 @@ class Relay:
             # Marked as published under this epoch; the republish_after rule retries it.
             log.warning("relay could not publish job %s", row["id"], exc_info=True)
 
-    def _reconcile(self, conn: Any, report: TickReport) -> list[tuple[str, str, str | None]]:
-        """Requeue stalled jobs, expire overdue ones, purge; returns the jobs it finished."""
+    def _reconcile(
+        self, conn: Any, report: TickReport, *, redis_up: bool = True
+    ) -> list[tuple[str, str, str | None]]:
+        """Requeue stalled jobs, expire overdue ones, purge; returns the jobs it finished.
+
+        With Redis down it does only what needs no Redis after commit: burials (a chord's
+        counter lives in Redis), unparking and escalations wait for the next pass.
+        """
         p = self.platform
         finished: list[tuple[str, str, str | None]] = []
         store = p.store
@@ -221,6 +246,8 @@ class Relay:
                 finished.append(ended)
                 continue
             if counted_attempts(row) >= int(row["max_attempts"]):
+                if not redis_up:
+                    continue
                 message = (
                     f"attempt {counted_attempts(row)} of {row['max_attempts']} stopped heartbeating "
                     "(worker crash, kill or hang); giving up"
@@ -276,8 +303,9 @@ class Relay:
                 report.expired += 1
                 finished.append((row["id"], s.EXPIRED, row["dedup_key"]))
         report.purged += self._purge(conn)
-        self._unparked = p.leases.unpark_free_keys(conn)
-        self._interrupts = self._escalations(conn)
+        if redis_up:
+            self._unparked = p.leases.unpark_free_keys(conn)
+            self._interrupts = self._escalations(conn)
         return finished
 
     def _end_if_stopped(self, conn: Any, row: Any) -> tuple[str, str, str | None] | None:

@@ -37,7 +37,7 @@ class ConveyorSettings(BaseSettings):
     demo: str = Field("pipelines.demo:self_check", description="the deployment's self-check")
 
     visibility_timeout: float = 3600.0
-    lease_timeout: float = Field(10.0, description="a running job whose lease is this old is taken over")
+    lease_timeout: float = Field(8.0, description="a running job whose lease is this old is taken over")
     heartbeat_interval: float = 2.0
     relay_interval: float = 1.0
     reconciler_interval: float = 2.0

@@ -3,7 +3,7 @@ worker process groups and pool children, SIGTERMs a worker (bounded shutdown) an
 Redis empty, at random times. Afterwards :func:`tests.chaos.checker.check` must find every
 accepted job terminal with exactly one effect, and takeovers within 15 s at p95.
 
-The workers run every timer at its default (lease 10 s, heartbeat 2 s, reconciler 2 s,
+The workers run every timer at its default (lease 8 s, heartbeat 2 s, reconciler 2 s,
 relay 1 s...), not the fast timers of the other tests; only the soft-shutdown timeout is
 short. The schedule is drawn from a seed printed first (``CHAOS_SEED=<n>`` replays it;
 ``CHAOS_JOBS`` changes the number of jobs). Run with ``-s`` to watch it.
