@@ -290,7 +290,8 @@ class Claims:
 
 
 def _owner_dead(lease_owner: str | None, me: str) -> bool:
-    """True when the lease belongs to a process on this host that no longer exists.
+    """True when the lease belongs to a process of this node (host and PID namespace,
+    see ``conveyor.runfile.local_node``) that no longer exists.
 
     Lets a redelivered message take over at once after a pool child is killed, instead of
     waiting a full lease timeout for the reconciler.

@@ -39,7 +39,9 @@ class Heartbeat:
 
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
-        self._current: JobContext | None = None
+        # One job per thread: a prefork child or solo worker runs one (in its main
+        # thread), a thread pool one per pool thread.
+        self._contexts: dict[int, JobContext] = {}
         self._thread: threading.Thread | None = None
         self._pid = 0
         self._signal_pid = 0
@@ -49,15 +51,20 @@ class Heartbeat:
 
     @property
     def current(self) -> JobContext | None:
-        """The job context this process is running now."""
-        return self._current
+        """The job context this process's main thread is running now (the one a signal
+        can interrupt)."""
+        return self._contexts.get(threading.main_thread().ident or 0)
 
     def track(self, ctx: JobContext | None) -> None:
-        """Start (or stop, with None) renewing ``ctx``'s lease."""
-        self._interrupt_pending = False
-        self._current = ctx
-        if ctx is not None:
-            self._ensure_thread()
+        """Start (or stop, with None) renewing the lease of the calling thread's job."""
+        me = threading.get_ident()
+        if threading.current_thread() is threading.main_thread():
+            self._interrupt_pending = False
+        if ctx is None:
+            self._contexts.pop(me, None)
+            return
+        self._contexts[me] = ctx
+        self._ensure_thread()
 
     def release_later(self, job_id: str, attempt: int, owner: str) -> None:
         """Requeue ``job_id`` without counting the attempt as soon as the database answers."""
@@ -81,7 +88,7 @@ class Heartbeat:
 
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between bytecodes: memory only, no I/O.
-        ctx = self._current
+        ctx = self.current
         if ctx is None:
             return
         if ctx.stop_requested == PREEMPT:
@@ -102,32 +109,42 @@ class Heartbeat:
         while True:
             woken = self._wake.wait(poll)
             self._wake.clear()
-            ctx = self._current
-            if ctx is not None and ctx.stop_requested is None:
-                try:
-                    ctx.stop_requested = self.platform.leases.stop_requested(ctx.job_id, ctx.attempt)
-                    if ctx.stop_requested is None and (woken or time.monotonic() >= next_db_poll):
-                        next_db_poll = time.monotonic() + db_poll
-                        ctx.stop_requested = self.platform.leases.stop_requested_db(ctx.job_id, ctx.attempt)
-                except Exception:  # an outage; the next poll tries again
-                    log.debug("stop-request poll failed", exc_info=True)
-            self._deliver_pending_interrupt(ctx)
+            running = list(self._contexts.values())
+            read_db = woken or time.monotonic() >= next_db_poll
+            if read_db:
+                next_db_poll = time.monotonic() + db_poll
+            for ctx in running:
+                self._poll_stop(ctx, read_db=read_db)
+            self._deliver_pending_interrupt(self.current)
             if time.monotonic() < next_beat:
                 continue
             next_beat = time.monotonic() + settings.heartbeat_interval
             if self.pending_release:
                 self._flush_releases()
-            if ctx is None or ctx is not self._current:
-                continue
-            try:
-                self._beat(ctx)
-            except Exception:  # the database may blip; the next beat tries again
-                log.warning("heartbeat failed for job %s", ctx.job_id, exc_info=True)
+            for ctx in running:
+                if ctx not in self._contexts.values():
+                    continue  # finished meanwhile
+                try:
+                    self._beat(ctx)
+                except Exception:  # the database may blip; the next beat tries again
+                    log.warning("heartbeat failed for job %s", ctx.job_id, exc_info=True)
+
+    def _poll_stop(self, ctx: JobContext, *, read_db: bool) -> None:
+        """Read the job's stop request: the Redis fast flag, and Postgres when due."""
+        if ctx.stop_requested is not None:
+            return
+        leases = self.platform.leases
+        try:
+            ctx.stop_requested = leases.stop_requested(ctx.job_id, ctx.attempt)
+            if ctx.stop_requested is None and read_db:
+                ctx.stop_requested = leases.stop_requested_db(ctx.job_id, ctx.attempt)
+        except Exception:  # an outage; the next poll tries again
+            log.debug("stop-request poll failed", exc_info=True)
 
     def _deliver_pending_interrupt(self, ctx: JobContext | None) -> None:
         """An interrupt came before its stop request was known here: now that the request
         is known, signal again so the handler raises; with no request, forget it."""
-        if not self._interrupt_pending or ctx is None or ctx is not self._current:
+        if not self._interrupt_pending or ctx is None:
             return
         self._interrupt_pending = False
         if ctx.stop_requested is not None:

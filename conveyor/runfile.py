@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -116,6 +117,23 @@ def _is_zombie(pid: int) -> bool:
     # state is taken from after the *last* ')'.
     fields = stat.rpartition(")")[2].split()
     return bool(fields) and fields[0] in ("Z", "X")
+
+
+def local_node() -> str:
+    """This host's name plus its PID namespace: processes of one node see each other's
+    pids. Containers that share the host's name (host networking) but not its PID
+    namespace are different nodes, so one never judges the other's pids."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return socket.gethostname()
+    return f"{socket.gethostname()}/{namespace.strip('pid:[]')}"
+
+
+def owner_id(pid: int | None = None, thread: int | None = None) -> str:
+    """A lease owner: ``node:pid``, plus ``:thread`` for jobs run by a thread pool."""
+    owner = f"{local_node()}:{os.getpid() if pid is None else pid}"
+    return f"{owner}:{thread}" if thread is not None else owner
 
 
 def pid_alive(pid: int) -> bool:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 import uuid
@@ -34,6 +32,7 @@ from conveyor.errors import (
 )
 from conveyor.heartbeat import Heartbeat
 from conveyor.leases import PREEMPT, Held, format_key
+from conveyor.runfile import owner_id
 from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
 from conveyor.store import Claim, ClaimOutcome, NewJob, Row, counted_attempts, format_traceback, new_event
 
@@ -44,11 +43,9 @@ log = logging.getLogger("conveyor.runner")
 
 
 def lease_owner() -> str:
-    """``host:pid`` (plus the thread for in-process thread workers)."""
-    owner = f"{socket.gethostname()}:{os.getpid()}"
-    if threading.current_thread() is not threading.main_thread():
-        owner += f":{threading.get_ident()}"
-    return owner
+    """``node:pid`` (plus the thread for in-process thread workers); see ``owner_id``."""
+    main = threading.current_thread() is threading.main_thread()
+    return owner_id(thread=None if main else threading.get_ident())
 
 
 class Runner:
@@ -484,10 +481,14 @@ class Runner:
 
     def requeue_uncounted(
         self, job_id: str, attempt: int | None, owner: str, reason: str, *, defer: bool = True
-    ) -> None:
+    ) -> str:
         """Requeue an attempt stopped by an outage or a shutdown without counting it; past
         ``max_requeues`` dead-letter the job ("infrastructure kept failing") instead. With
-        the database unreachable and ``defer``, the heartbeat thread retries it."""
+        the database unreachable and ``defer``, the heartbeat thread retries it.
+
+        Returns ``"released"``, ``"exhausted"`` (dead-lettered), ``"refused"`` (the attempt
+        no longer owns the job: it finished, or was taken over) or ``"deferred"``.
+        """
         p = self.platform
         try:
             with p.engine.begin() as conn:
@@ -495,10 +496,12 @@ class Runner:
                 row = p.store.get(conn, job_id) if outcome == "exhausted" else None
             if row is not None:
                 self._bury_lost(row, requeues=True)
+            return outcome
         except Exception as exc:
             if not (defer and attempt is not None and is_connection_loss(exc)):
                 raise
             self.heartbeat.release_later(job_id, attempt, owner)
+            return "deferred"
 
     def record_hard_timeout(self, spec: StageSpec, task_id: str, exc: BaseException) -> None:
         """Called in the worker's main process after it killed the child at the hard limit."""

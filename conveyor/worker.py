@@ -46,6 +46,8 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, worker: Any) -> None:
         check_redis_policy(self.platform)
+        # A stray interrupt must never end the worker itself (SIGUSR2's default action).
+        self.platform.runner.heartbeat.install_interrupt_handler()
         self.platform.broker.epoch(max_age=0)
         deliveries = self.platform.deliveries
         deliveries.beat(self.worker_id)
@@ -89,6 +91,11 @@ def conveyor_interrupt(state: Any, job_id: str, attempt: int, task_id: str) -> d
     ``revoke(terminate=True)``: by then the process may be running another task."""
     for request in list(worker_state.active_requests):
         if request_job_id(request) == job_id and request.id == task_id and request.worker_pid:
+            if request.worker_pid == os.getpid():
+                # A solo or thread pool runs the job in this very process, and a signal
+                # cannot choose its thread: the job stops at its next checkpoint (its stop
+                # request is read from Postgres), or runs to its end.
+                return {"ok": f"{job_id}#{attempt} runs in the worker process; left to its checkpoints"}
             os.kill(request.worker_pid, INTERRUPT_SIGNAL)
             return {"ok": f"signalled {request.worker_pid} for {job_id}#{attempt}"}
     return {"ok": "not running here"}

@@ -3,8 +3,6 @@ is not counted but bounded too, and a fenced-off attempt's late failure writes n
 
 from __future__ import annotations
 
-import os
-import socket
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -19,6 +17,7 @@ from sqlalchemy import update
 from conveyor.db import schema as s
 from conveyor.db.schema import jobs
 from conveyor.errors import is_connection_loss, is_permanent
+from conveyor.runfile import owner_id
 from conveyor.store import NewJob, counted_attempts
 from tests.helpers import dead_letter_for
 
@@ -89,8 +88,8 @@ def test_fenced_off_attempts_late_failure_writes_nothing(platform: Any) -> None:
         # The first attempt's owner is a process of this host that has exited: taken over.
         gone = subprocess.Popen(["true"])
         gone.wait()
-        first = store.claim(conn, job_id, owner=f"{socket.gethostname()}:{gone.pid}", task_id="a").job
-        second = store.claim(conn, job_id, owner=f"{socket.gethostname()}:{os.getpid()}", task_id="b").job
+        first = store.claim(conn, job_id, owner=owner_id(gone.pid), task_id="a").job
+        second = store.claim(conn, job_id, owner=owner_id(), task_id="b").job
     assert first is not None and second is not None and second["attempts"] == 2
     from celery.exceptions import Ignore
 

@@ -3,7 +3,6 @@ one: at a first claim, at the takeover of a dead attempt, and at the reconciler'
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 from typing import Any
@@ -15,18 +14,19 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.schema import jobs
 from conveyor.relay import Relay
+from conveyor.runfile import owner_id
 from conveyor.store import ClaimOutcome, NewJob
 
 pytestmark = pytest.mark.timeout(60)
 
-ME = f"{socket.gethostname()}:{os.getpid()}"
+ME = owner_id()
 
 
 def _dead_owner() -> str:
     """The lease owner of a process of this host that has exited."""
     gone = subprocess.Popen(["true"])
     gone.wait()
-    return f"{socket.gethostname()}:{gone.pid}"
+    return owner_id(gone.pid)
 
 
 def _running(platform: Any, **values: Any) -> str:
@@ -104,3 +104,13 @@ def test_no_lease_is_taken_over_until_a_lease_timeout_after_the_database_came_ba
         conn.execute(update(s.counters).where(s.counters.c.name == "relay_resumed_ms").values(value=0))
     relay.tick()
     assert _row(platform, job_id)["status"] != s.RUNNING or _row(platform, job_id)["attempts"] == 2
+
+
+def test_an_owner_in_another_pid_namespace_of_the_same_host_is_never_judged_by_pid(platform: Any) -> None:
+    """Containers sharing the host's name (host networking) but not its PID namespace: a
+    pid that does not exist here may be alive there. Only the lease path may take over."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    job_id = _running(platform, lease_owner=f"{socket.gethostname()}:{gone.pid}")
+    assert _claim(platform, job_id).outcome is ClaimOutcome.LIVE_LEASE
+    assert _row(platform, job_id)["attempts"] == 1
