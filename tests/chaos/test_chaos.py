@@ -17,7 +17,6 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from conveyor.procs import service_env
+from conveyor.runfile import local_node
 from tests.chaos.checker import (
     ChaosResult,
     ClaimLog,
@@ -51,7 +51,7 @@ from tests.fault.servers import PrivateRedis, private_redis
 
 pytestmark = [pytest.mark.fault]
 
-HOST = socket.gethostname()
+HOST = local_node()  # how lease owners name this host (see conveyor.runfile)
 ROOT = Path(__file__).resolve().parents[2]
 SOFT_SHUTDOWN = 3.0  # CONVEYOR_SOFT_SHUTDOWN_TIMEOUT of the chaos workers
 SHUTDOWN_SLACK = 7.0  # a SIGTERMed worker must be gone within SOFT_SHUTDOWN + this
