@@ -31,9 +31,9 @@ from sqlalchemy import func, select
 from conveyor.db import schema as s
 from conveyor.db.schema import jobs
 from conveyor.procs import service_env
-from tasks.demo.models import effects
 from tests.fault.conftest import Spawn
 from tests.fault.servers import PrivateRedis, private_redis
+from tests.fault.test_outages import _effects_per_note
 from tests.helpers import eventually
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.fault]
@@ -115,16 +115,6 @@ def _statuses(engine: Any, ids: list[str]) -> dict[str, int]:
 def _all_terminal(engine: Any, ids: list[str]) -> dict[str, int]:
     statuses = _statuses(engine, ids)
     return statuses if sum(statuses.get(t, 0) for t in s.TERMINAL) == len(ids) else {}
-
-
-def _effects_per_note(engine: Any, tag: str) -> dict[str, int]:
-    with engine.connect() as conn:
-        q = (
-            select(effects.c.note, func.count())
-            .where(effects.c.note.like(f"{tag}-%"))
-            .group_by(effects.c.note)
-        )
-        return {str(n): int(c) for n, c in conn.execute(q)}
 
 
 def _restart(server: PrivateRedis, i: int) -> None:
