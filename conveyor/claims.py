@@ -10,17 +10,17 @@ token and grows on every claim; ``uncounted`` counts the claims that did not cou
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from sqlalchemy import Connection, and_, or_, select, update
+from sqlalchemy import Connection, and_, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import PG_CLAIM, db_now, db_now_plus, is_sqlite
-from conveyor.db.schema import Row, jobs, new_event
+from conveyor.db.schema import Row, job_events, jobs, new_event
 from conveyor.liveness import takeovers_allowed
 from conveyor.runfile import pid_alive
 
@@ -53,18 +53,27 @@ def counted_attempts(row: Row) -> int:
 
 
 class Claims:
-    """The claim half of :class:`~conveyor.store.JobStore` (a mixin: it uses the store's
-    ``get``, ``emit`` and ``finish``)."""
+    """The claim half of :class:`~conveyor.store.JobStore`, and the row primitives
+    (``get``, ``emit``, ``finish``) both halves use."""
 
     lease_timeout: float
     max_requeues: int
     detect_local_dead_owners: bool
 
-    def get(self, conn: Connection, job_id: str) -> RowMapping | None:
-        raise NotImplementedError
+    # -- the row primitives both halves of the store use ---------------------------------
 
-    def emit(self, conn: Connection, events: Any) -> None:
-        raise NotImplementedError
+    def get(self, conn: Connection, job_id: str) -> RowMapping | None:
+        """One job row, or None."""
+        return conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().one_or_none()
+
+    def emit(self, conn: Connection, events: Sequence[Mapping[str, Any]]) -> None:
+        """Append events to the outbox inside ``conn``'s transaction."""
+        if not events:
+            return
+        stmt = insert(job_events).values(created_at=db_now())
+        if is_sqlite(conn):
+            stmt = stmt.values(txid=0)
+        conn.execute(stmt, [dict(e) for e in events])
 
     def finish(
         self,
@@ -78,7 +87,23 @@ class Claims:
         body: Mapping[str, Any] | None = None,
         error: str | None = None,
     ) -> bool:
-        raise NotImplementedError
+        """CAS ``from_status → status`` (a terminal one) and emit ``topic``."""
+        cond = [jobs.c.id == job["id"], jobs.c.status.in_(list(from_status))]
+        cond.append(jobs.c.attempts == (job["attempts"] if attempt is None else attempt))
+        values: dict[str, Any] = {
+            "status": status,
+            "lease_owner": None,
+            "finished_at": db_now(),
+            "updated_at": db_now(),
+        }
+        if error is not None:
+            values["last_error"] = error
+        ok = conn.execute(update(jobs).where(*cond).values(**values)).rowcount == 1
+        if ok:
+            self.emit(conn, [new_event(job["id"], topic, {"stage": job["stage"], **(body or {})})])
+        return ok
+
+    # -- claims ---------------------------------------------------------------------------
 
     def fast_claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> RowMapping | None:
         """The common case in one round trip (Postgres, autocommit); None means "ask
@@ -120,18 +145,16 @@ class Claims:
             mine = current["lease_owner"] == owner
             if not mine and not self._owner_gone(conn, current, owner):
                 return Claim(ClaimOutcome.LIVE_LEASE, current)
-            stopped = self._stopped_before_attempt(conn, current)
+            body = {"while": "takeover", "previous_owner": current["lease_owner"]}
+            stopped = self.end_if_stopped(conn, current, body=body)
             if stopped is not None:
-                return stopped
+                outcome = ClaimOutcome.TERMINAL if stopped[1] else ClaimOutcome.LIVE_LEASE
+                return Claim(outcome, self.get(conn, job_id))
             if mine:
                 return self._retake_own(conn, current, owner=owner, task_id=task_id)
             return self._takeover_dead(conn, current, owner=owner, task_id=task_id)
         # queued or retrying, but the claim lost: cancelled, expired, or not yet due.
-        if current["cancel_requested_at"] is not None:
-            self.finish(conn, current, s.CANCELLED, from_status=(status,), topic="job.cancelled")
-            return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
-        if self._expired(conn, job_id):
-            self.finish(conn, current, s.EXPIRED, from_status=(status,), topic="job.expired")
+        if self.end_if_stopped(conn, current) is not None:
             return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
         return Claim(ClaimOutcome.NOT_DUE, current)
 
@@ -142,19 +165,21 @@ class Claims:
             return True
         return self._is_stale(conn, current["id"])
 
-    def _stopped_before_attempt(self, conn: Connection, current: RowMapping) -> Claim | None:
-        """Every attempt starts by checking the job's cancel request and expiry, a takeover
-        included: a job cancelled or expired while its last attempt died ends here."""
-        if current["cancel_requested_at"] is not None:
+    def end_if_stopped(
+        self, conn: Connection, row: Row, *, body: Mapping[str, Any] | None = None
+    ) -> tuple[str, bool] | None:
+        """Every attempt starts by checking the job's cancel request and expiry, whatever
+        led to it (a first claim, a takeover, the reconciler's requeue): a job cancelled
+        or expired meanwhile ends so, from the status ``row`` shows. Returns the terminal
+        status and whether this compare-and-set ended it; None when neither applies."""
+        if row["cancel_requested_at"] is not None:
             status, topic = s.CANCELLED, "job.cancelled"
-        elif self._expired(conn, current["id"]):
+        elif row["expires_at"] is not None and self._expired(conn, row["id"]):
             status, topic = s.EXPIRED, "job.expired"
         else:
             return None
-        body = {"while": "takeover", "previous_owner": current["lease_owner"]}
-        if self.finish(conn, current, status, from_status=(s.RUNNING,), topic=topic, body=body):
-            return Claim(ClaimOutcome.TERMINAL, self.get(conn, current["id"]))
-        return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
+        ended = self.finish(conn, row, status, from_status=(row["status"],), topic=topic, body=body)
+        return status, ended
 
     def _retake_own(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
         """This very process held the lease and is idle: its attempt was cut short by an

@@ -90,15 +90,13 @@ class Relay:
             # Reconcile first: a job it requeues is published in this very pass.
             finished = self._reconcile(conn, report, redis_up=epoch is not None) if reconcile else []
             marked = self._mark_publishable(conn, epoch, orphans) if epoch is not None else []
+        for job_id, status, dedup_key in finished:
+            p.finished(job_id, status, dedup_key=dedup_key)
         if epoch is None:
-            for job_id, status, dedup_key in finished:
-                p.finished(job_id, status, dedup_key=dedup_key)
             return report
         for worker in orphans:
             p.deliveries.forget(worker)
         self._copy_dedup_events()
-        for job_id, status, dedup_key in finished:
-            p.finished(job_id, status, dedup_key=dedup_key)
         for burial in self._burials:
             p.after_burial(burial)
         for job_id in self._unparked:
@@ -241,9 +239,11 @@ class Relay:
         )
         for row in stale:
             attempt = int(row["attempts"])
-            ended = self._end_if_stopped(conn, row)
-            if ended is not None:
-                finished.append(ended)
+            body = {"while": "stalled", "previous_owner": row["lease_owner"]}
+            stopped = store.end_if_stopped(conn, row, body=body)
+            if stopped is not None:
+                if stopped[1]:
+                    finished.append((str(row["id"]), stopped[0], row["dedup_key"]))
                 continue
             if counted_attempts(row) >= int(row["max_attempts"]):
                 if not redis_up:
@@ -307,25 +307,6 @@ class Relay:
             self._unparked = p.leases.unpark_free_keys(conn)
             self._interrupts = self._escalations(conn)
         return finished
-
-    def _end_if_stopped(self, conn: Any, row: Any) -> tuple[str, str, str | None] | None:
-        """A stale attempt of a job cancelled or expired meanwhile: end it, don't requeue."""
-        store = self.platform.store
-        if row["cancel_requested_at"] is not None:
-            status, topic = s.CANCELLED, "job.cancelled"
-        elif (
-            row["expires_at"] is not None
-            and conn.execute(
-                select(jobs.c.id).where(jobs.c.id == row["id"], jobs.c.expires_at <= db_now())
-            ).first()
-        ):
-            status, topic = s.EXPIRED, "job.expired"
-        else:
-            return None
-        body = {"while": "stalled", "previous_owner": row["lease_owner"]}
-        if not store.finish(conn, row, status, from_status=(s.RUNNING,), topic=topic, body=body):
-            return None
-        return (str(row["id"]), status, row["dedup_key"])
 
     def _escalations(self, conn: Any) -> list[tuple[str, int, str]]:
         """Running jobs asked to stop (preempt or cancel) that let their grace period pass

@@ -466,7 +466,7 @@ class Runner:
         if requeues:
             message = (
                 f"infrastructure kept failing: requeued {job['requeues']} times without counting "
-                f"an attempt (limit {self.platform.settings.max_requeues}); giving up"
+                f"an attempt (limit {self.platform.store.max_requeues}); giving up"
             )
             error: BaseException = RequeuesExhausted(message)
         else:

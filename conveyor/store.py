@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import traceback as tb
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,15 +75,6 @@ class JobStore(Claims):
         self.detect_local_dead_owners = detect_local_dead_owners
 
     # -- writes -------------------------------------------------------------------------
-
-    def emit(self, conn: Connection, events: Sequence[Mapping[str, Any]]) -> None:
-        """Append events to the outbox inside ``conn``'s transaction."""
-        if not events:
-            return
-        stmt = insert(job_events).values(created_at=db_now())
-        if is_sqlite(conn):
-            stmt = stmt.values(txid=0)
-        conn.execute(stmt, [dict(e) for e in events])
 
     def insert(self, conn: Connection, job: NewJob) -> tuple[str, bool]:
         """Insert ``job`` unless its id or idempotency key exists; return (id, created)."""
@@ -294,34 +285,6 @@ class JobStore(Claims):
         )
         return res.rowcount == 1
 
-    def finish(
-        self,
-        conn: Connection,
-        job: Row,
-        status: str,
-        *,
-        from_status: Iterable[str],
-        topic: str,
-        attempt: int | None = None,
-        body: Mapping[str, Any] | None = None,
-        error: str | None = None,
-    ) -> bool:
-        """CAS ``from_status → status`` (a terminal one) and emit ``topic``."""
-        cond = [jobs.c.id == job["id"], jobs.c.status.in_(list(from_status))]
-        cond.append(jobs.c.attempts == (job["attempts"] if attempt is None else attempt))
-        values: dict[str, Any] = {
-            "status": status,
-            "lease_owner": None,
-            "finished_at": db_now(),
-            "updated_at": db_now(),
-        }
-        if error is not None:
-            values["last_error"] = error
-        ok = conn.execute(update(jobs).where(*cond).values(**values)).rowcount == 1
-        if ok:
-            self.emit(conn, [new_event(job["id"], topic, {"stage": job["stage"], **(body or {})})])
-        return ok
-
     def dead_letter(
         self,
         conn: Connection,
@@ -381,10 +344,6 @@ class JobStore(Claims):
         self.emit(conn, [new_event(None, "message.rejected", {"error_type": error_type})])
 
     # -- reads --------------------------------------------------------------------------
-
-    def get(self, conn: Connection, job_id: str) -> RowMapping | None:
-        """One job row, or None."""
-        return conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().one_or_none()
 
     def events_since(
         self, conn: Connection, cursor: str | None, *, job_id: str | None = None, limit: int = 500
