@@ -11,6 +11,7 @@ from typing import Any
 
 from celery import Celery
 from kombu.entity import Queue
+from kombu.exceptions import ChannelError
 from redis import Redis
 
 JOB_HEADER = "conveyor_job_id"
@@ -60,6 +61,18 @@ class Broker:
             channel = conn.default_channel
             for queue in self.queues:
                 queue.bind(channel).declare()  # type: ignore[no-untyped-call]
+
+    def message_counts(self, queues: Sequence[str]) -> dict[str, int]:
+        """Messages waiting in each queue (not counting ones delivered and unacked)."""
+        out: dict[str, int] = {}
+        with self.app.connection_for_write() as conn:
+            channel = conn.default_channel
+            for name in queues:
+                try:
+                    out[name] = int(channel.queue_declare(queue=name, passive=True).message_count)
+                except ChannelError:  # Redis: a queue with no message has no key at all
+                    out[name] = 0
+        return out
 
     def publish(
         self,

@@ -70,10 +70,7 @@ class Claims:
         """Append events to the outbox inside ``conn``'s transaction."""
         if not events:
             return
-        stmt = insert(job_events).values(created_at=db_now())
-        if is_sqlite(conn):
-            stmt = stmt.values(txid=0)
-        conn.execute(stmt, [dict(e) for e in events])
+        conn.execute(insert(job_events).values(created_at=db_now()), [dict(e) for e in events])
 
     def finish(
         self,

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from conveyor.errors import ConveyorError, NotRunning
+from conveyor.errors import ConveyorError, NotRunning, RetryRefused
 from conveyor.settings import ConveyorSettings
 
 cli = typer.Typer(help="Conveyor: Celery jobs that are always accounted for.", no_args_is_help=True)
@@ -229,6 +229,8 @@ def worker(
     metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
 ) -> None:
     """Run a Celery worker for the deployment (extra args go to ``celery worker``).
+
+    Without ``-Q`` it consumes every queue the deployment declares (``task_queues``).
 
     Unlike a plain ``celery worker``, SIGTERM is bounded by ``CONVEYOR_SOFT_SHUTDOWN_TIMEOUT``:
     jobs still running at the deadline are requeued uncounted, then the worker exits.
@@ -496,9 +498,12 @@ def dlq_retry_all(stage: str = typer.Option(None), queue: str = typer.Option(Non
     """Retry every open entry matching the filters."""
 
     def main() -> int:
-        ids = load_platform().dlq.retry_all(stage=stage, queue=queue)
+        refused: list[RetryRefused] = []
+        ids = load_platform().dlq.retry_all(stage=stage, queue=queue, refused=refused)
         console.print(f"retried {len(ids)} job(s)")
-        return 0
+        for exc in refused:
+            err.print(str(exc))
+        return 1 if refused else 0
 
     _run(main)
 
@@ -569,8 +574,21 @@ def _load_extensions() -> None:
         cli.add_typer(_import(path), name=name)
 
 
+def _configure_logs() -> None:
+    """Structured logs on stderr for the command itself (a worker or beat sets them up again
+    when Celery starts, with its ``-l``)."""
+    from conveyor.logs import configure_logging
+
+    try:
+        settings = ConveyorSettings()
+    except ValueError:  # invalid settings: the command itself reports them
+        return
+    configure_logging(settings)
+
+
 def main() -> None:
     """Console entry point."""
+    _configure_logs()
     _load_extensions()
     cli()
 

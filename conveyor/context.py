@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -15,20 +14,11 @@ from conveyor.admission import Slot
 from conveyor.db.schema import RUNNING, jobs, leases
 from conveyor.errors import Cancelled, LeaseLost, Preempted
 from conveyor.leases import CANCEL, PREEMPT, Held
+from conveyor.logs import JobTokens, bind_job, job_logger, unbind_job
 from conveyor.store import new_event
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
-
-log = logging.getLogger("conveyor.job")
-
-
-class JobLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """A logger that stamps every line with the job id, stage and attempt."""
-
-    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        extra = self.extra or {}
-        return f"[{extra.get('stage')} {extra.get('job_id')} #{extra.get('attempt')}] {msg}", kwargs
 
 
 class JobContext:
@@ -37,17 +27,30 @@ class JobContext:
     ``session``/``connection`` open one transaction lazily; the platform commits it together
     with the job's completion compare-and-set and the events from :meth:`emit`, so a
     stage's effect and its ``succeeded`` status commit or roll back as one.
+
+    From creation to :meth:`close`, every log line of the attempt's thread (its own
+    ``log``, Conveyor's, Celery's, a library's) carries ``job_id``, ``stage``, ``attempt``
+    and ``queue`` (see ``conveyor.logs``).
     """
 
     def __init__(
-        self, platform: Platform, *, job_id: str, attempt: int, stage: str, flow_id: str | None
+        self,
+        platform: Platform,
+        *,
+        job_id: str,
+        attempt: int,
+        stage: str,
+        flow_id: str | None,
+        queue: str | None = None,
     ) -> None:
         self.platform = platform
         self.job_id = job_id
         self.attempt = attempt
         self.stage = stage
         self.flow_id = flow_id
-        self.log = JobLogger(log, {"job_id": job_id, "stage": stage, "attempt": attempt})
+        self.queue = queue
+        self.log = job_logger(job_id=job_id, stage=stage, attempt=attempt, queue=queue)
+        self._log_tokens: JobTokens | None = bind_job(job_id, stage, attempt, queue)
         self.events: list[dict[str, Any]] = []
         self._conn: Connection | None = None
         self._session: Session | None = None
@@ -142,7 +145,11 @@ class JobContext:
         return self._conn
 
     def close(self) -> None:
-        """Roll back anything uncommitted and return the connection."""
+        """Roll back anything uncommitted, return the connection and unbind the job's log
+        fields. Safe to call more than once."""
+        tokens, self._log_tokens = self._log_tokens, None
+        if tokens is not None:  # first, so a failing rollback cannot leave them bound
+            unbind_job(tokens)
         if self._session is not None:
             self._session.close()
             self._session = None

@@ -72,6 +72,9 @@ class Dedup:
             raise ConfigurationError("deterministic ids need fields")
         if self.key is None and not self.fields:
             raise ConfigurationError("dedup needs a key template or id fields")
+        if self.scope is not None and ":" in self.scope:
+            # A dedup id is "scope:key"; the first colon must split it back unambiguously.
+            raise ConfigurationError(f"dedup scope {self.scope!r} must not contain ':'")
 
     def resolve(self, stage: str, payload: BaseModel) -> tuple[str, str]:
         """(scope, key) for ``payload``."""
@@ -237,6 +240,11 @@ class Deduplicator:
             pipe.set(self._of(job_id), self._key(scope, key), px=ms)
         pipe.execute()
 
+    def forget(self, dedup_id: str) -> None:
+        """Drop the cached holder of ``dedup_id`` (after Postgres gave the id to another job)."""
+        scope, _, key = dedup_id.partition(":")
+        self._redis().delete(self._key(scope, key))
+
     def release(self, job_id: str) -> None:
         """Compare-and-delete the cached holder once ``job_id`` is terminal (simple mode)."""
         if self._release is None:
@@ -309,6 +317,49 @@ class Deduplicator:
             .one()
         )
         return Acquired(str(current["job_id"]), False)
+
+    def retake(self, conn: Connection, dedup_id: str, job_id: str, *, now: float, mode: Mode) -> str | None:
+        """Give ``dedup_id`` back to ``job_id`` (a DLQ retry; a follower whose holder was
+        cancelled), unless another *live* job holds it: that job's id is returned.
+
+        The row is locked, so a concurrent submit's acquire waits and then sees the new
+        holder. A throttle or id key keeps its length of hold; ``mode`` applies only when
+        no row exists (nobody held the id since it was purged).
+        """
+        scope, _, key = dedup_id.partition(":")
+        row = (
+            conn.execute(
+                select(dedup_keys)
+                .where(dedup_keys.c.scope == scope, dedup_keys.c.key == key)
+                .with_for_update()
+            )
+            .mappings()
+            .one_or_none()
+        )
+        now_ms = int(now * 1000)
+        if row is None:
+            values: dict[str, Any] = {"scope": scope, "key": key, "job_id": job_id, "mode": mode}
+            values.update(expires_ms=None, first_ms=now_ms, updated_ms=now_ms)
+            conn.execute(upsert(conn, dedup_keys).values(**values).on_conflict_do_nothing())
+            return None
+        holder = str(row["job_id"])
+        if holder == job_id:
+            return None
+        status = conn.execute(select(jobs.c.status).where(jobs.c.id == holder)).scalar_one_or_none()
+        if status is not None and status not in s.TERMINAL:
+            return holder
+        held = row["expires_ms"] - row["first_ms"] if row["expires_ms"] is not None else None
+        conn.execute(
+            update(dedup_keys)
+            .where(dedup_keys.c.scope == scope, dedup_keys.c.key == key, dedup_keys.c.job_id == holder)
+            .values(
+                job_id=job_id,
+                first_ms=now_ms,
+                updated_ms=now_ms,
+                expires_ms=None if held is None else now_ms + held,
+            )
+        )
+        return None
 
     def debounce(
         self,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
+import datetime as dt
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,7 @@ from sqlalchemy.engine import RowMapping
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.schema import dead_letters, jobs
+from conveyor.errors import RetryRefused
 from conveyor.store import new_event
 
 if TYPE_CHECKING:
@@ -42,16 +45,10 @@ class DeadLetterQueue:
         page: int = 1,
         per_page: int = 50,
         include_retried: bool = False,
+        since: dt.datetime | None = None,
     ) -> DeadLetterPage:
-        """Open entries, newest first, filtered by stage/queue; each carries the job label."""
-        cond: list[Any] = []
-        if not include_retried:
-            cond.append(dead_letters.c.retried_at.is_(None))
-        if stage:
-            cond.append(dead_letters.c.stage == stage)
-        if queue:
-            cond.append(dead_letters.c.queue == queue)
-        where = and_(True, *cond)
+        """Open entries, newest first, filtered by stage/queue/time; each carries the job label."""
+        where = _filters(stage=stage, queue=queue, since=since, include_retried=include_retried)
         with self.platform.engine.connect() as conn:
             total = conn.execute(select(func.count()).select_from(dead_letters).where(where)).scalar_one()
             items = list(
@@ -77,6 +74,9 @@ class DeadLetterQueue:
     def retry(self, entry_id: int, *, by: str = "cli") -> str | None:
         """Send the entry's job back to ``queued`` with a fresh attempt budget.
 
+        A job with a dedup id takes it again; while another live job holds it the retry
+        is refused (:class:`RetryRefused`, naming that job) and the entry stays open.
+
         The job runs again from its own stage: its stage's ``on_retry`` hook undoes what
         ``on_dead`` recorded, and when it completes, the continuation that ran with the
         dead job's result runs again with the new one. ``max_attempts`` grows to
@@ -100,6 +100,17 @@ class DeadLetterQueue:
                 return None
             spec = self.platform.stages.get(job["stage"])
             budget = spec.max_attempts if spec else self.platform.settings.default_max_attempts
+            if job["dedup_key"]:
+                p = self.platform
+                mode = spec.dedup.mode if spec is not None and spec.dedup is not None else "simple"
+                now = p.deduper.clock()
+                holder = p.deduper.retake(conn, job["dedup_key"], str(job["id"]), now=now, mode=mode)
+                if holder is not None:
+                    raise RetryRefused(
+                        f"not retried: job {holder} holds dedup id {job['dedup_key']!r} and has not "
+                        f"finished; retry entry {entry_id} once it has, or cancel it",
+                        holder=holder,
+                    )
             res = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job["id"], jobs.c.status == s.DEAD, jobs.c.attempts == job["attempts"])
@@ -125,21 +136,46 @@ class DeadLetterQueue:
             self.platform.store.emit(
                 conn, [new_event(job["id"], "job.dlq_retried", {"stage": job["stage"], "by": by})]
             )
+        if job["dedup_key"]:
+            with contextlib.suppress(Exception):  # a cached holder expires; Postgres is right
+                self.platform.deduper.forget(job["dedup_key"])
         self.platform.republish_if_queued(job["id"])
         return str(job["id"])
 
     def retry_all(
-        self, *, stage: str | None = None, queue: str | None = None, by: str = "cli"
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        since: dt.datetime | None = None,
+        by: str = "cli",
+        refused: builtins.list[RetryRefused] | None = None,
     ) -> builtins.list[str]:
-        """Retry every open entry matching the filters; returns the retried job ids."""
+        """Retry every open entry matching the filters, paging through all of them (entries
+        without a job, and refused ones, are passed over, not stopped at). Returns the
+        retried job ids; refusals are appended to ``refused`` when given."""
         retried: builtins.list[str] = []
+        where = _filters(stage=stage, queue=queue, since=since, include_retried=False)
+        last: int | None = None
         while True:
-            page = self.list(stage=stage, queue=queue, per_page=200)
-            ids = [int(e["id"]) for e in page.items if e["job_id"] is not None]
-            batch = [j for j in (self.retry(i, by=by) for i in ids) if j]
-            retried += batch
-            if not batch:
+            q = select(dead_letters.c.id).where(where, dead_letters.c.job_id.is_not(None))
+            if last is not None:
+                q = q.where(dead_letters.c.id < last)
+            with self.platform.engine.connect() as conn:
+                page = conn.execute(q.order_by(dead_letters.c.id.desc()).limit(200)).scalars()
+                ids = [int(i) for i in page]
+            if not ids:
                 return retried
+            last = ids[-1]
+            for entry_id in ids:
+                try:
+                    job_id = self.retry(entry_id, by=by)
+                except RetryRefused as exc:
+                    if refused is not None:
+                        refused.append(exc)
+                    continue
+                if job_id:
+                    retried.append(job_id)
 
     def purge(self, *, older_than_days: float | None = None) -> int:
         """Delete entries past retention (default: the DLQ retention setting)."""
@@ -149,3 +185,18 @@ class DeadLetterQueue:
                 delete(dead_letters).where(dead_letters.c.created_at < db_now_plus(-days * 86400))
             )
         return int(res.rowcount or 0)
+
+
+def _filters(
+    *, stage: str | None, queue: str | None, since: dt.datetime | None, include_retried: bool
+) -> Any:
+    cond: list[Any] = []
+    if not include_retried:
+        cond.append(dead_letters.c.retried_at.is_(None))
+    if stage:
+        cond.append(dead_letters.c.stage == stage)
+    if queue:
+        cond.append(dead_letters.c.queue == queue)
+    if since is not None:
+        cond.append(dead_letters.c.created_at >= since)
+    return and_(True, *cond)

@@ -103,6 +103,18 @@ class NotRunning(ConveyorError):
     """No services are configured and ``conveyor up`` is not running."""
 
 
+class RetryRefused(ConveyorError):
+    """A DLQ retry that would run a second job for a dedup id another live job holds."""
+
+    def __init__(self, message: str, *, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+class PayloadTooLarge(PayloadInvalid):
+    """A payload whose JSON is over the ``max_payload_bytes`` setting."""
+
+
 class RequeuesExhausted(InfrastructureError):
     """A job was requeued uncounted (outages, shutdowns) more often than ``max_requeues``."""
 

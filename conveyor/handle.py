@@ -98,6 +98,5 @@ class JobHandle:
         with self.platform.engine.connect() as conn:
             rows, cursor = self.platform.store.events_since(conn, since, job_id=self.id)
         return [
-            JobEvent(r["id"], r["job_id"], r["topic"], dict(r["body"]), f"{r['txid']}:{r['id']}")
-            for r in rows
+            JobEvent(r["id"], r["job_id"], r["topic"], dict(r["body"]), str(r["position"])) for r in rows
         ], cursor

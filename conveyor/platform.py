@@ -31,7 +31,8 @@ from conveyor.db.engine import make_engine
 from conveyor.db.schema import jobs, leases
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterQueue
-from conveyor.errors import ConfigurationError, NotRunning
+from conveyor.errors import ConfigurationError, NotRunning, PayloadInvalid
+from conveyor.followers import Followers, has_flow
 from conveyor.handle import JobHandle
 from conveyor.leases import CANCEL, PREEMPT, Leases, format_key
 from conveyor.liveness import Deliveries
@@ -39,7 +40,7 @@ from conveyor.metrics import Metrics
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.runner import Runner
 from conveyor.settings import ConveyorSettings
-from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
+from conveyor.stage import StageSpec, StageTask, checked_payload, payload_from_call, to_jsonable
 from conveyor.store import JobStore, NewJob, Row, new_event
 
 log = logging.getLogger("conveyor")
@@ -85,6 +86,9 @@ class Platform:
         self.metrics = Metrics(settings)
         self.deduper = Deduplicator(settings, lambda: self.redis)
         self.leases = Leases(self)
+        self.followers = Followers(self)
+        # Copies of jobs that were not run (duplicates, ended, not due): job, reason, task id.
+        self.discarded_stream = f"{settings.key_prefix}discarded"
         self.deliveries = Deliveries(
             lambda: self.redis, key_prefix=settings.key_prefix, alive_ttl=settings.worker_alive_ttl
         )
@@ -301,18 +305,17 @@ class Platform:
         spec = self.spec(stage)
         data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
         model = spec.validate(data)
-        if run_at is not None:
-            delay = max(delay, (run_at - dt.datetime.now(dt.UTC)).total_seconds())
         new = NewJob(
             stage=spec.name,
             queue=spec.queue,
-            payload=model.model_dump(mode="json"),
+            payload=self.payload_of(spec, model),
             max_attempts=max_attempts or spec.max_attempts,
             priority=spec.priority if priority is None else priority,
             label=label or spec.label_for(model),
             idempotency_key=idempotency_key,
             delay=max(0.0, delay),
             expires_in=expires_in,
+            run_at=_utc(run_at),
         )
         new.origin_task_id = new.id
         return self._enqueue(new, session=session, plan=self.dedup_plan(spec, model, dedup, reuse))
@@ -335,37 +338,32 @@ class Platform:
                 f"stage {spec.name} is preemptable and cannot be a chord or group member"
             )
         model = spec.validate(payload_from_call(args, kwargs))
+        # Relative times count on the database's clock; absolute ones are stored as given.
         delay = float(options.get("countdown") or 0.0)
         eta = options.get("eta")
-        if isinstance(eta, str):
-            eta = dt.datetime.fromisoformat(eta)
-        if isinstance(eta, dt.datetime):
-            eta = eta if eta.tzinfo else eta.replace(tzinfo=dt.UTC)
-            delay = max(delay, (eta - dt.datetime.now(dt.UTC)).total_seconds())
         expires = options.get("expires")
-        expires_in: float | None = None
-        if isinstance(expires, (int, float)):
-            expires_in = float(expires)
-        elif isinstance(expires, dt.datetime):
-            expires_in = (expires - dt.datetime.now(dt.UTC)).total_seconds()
+        expires_in = float(expires) if isinstance(expires, (int, float)) else None
         stored = _signature_options(options, link=link, link_error=link_error)
         job_id = task_id or str(uuid.uuid4())
         new = NewJob(
             id=job_id,
             stage=spec.name,
             queue=options.get("queue") or spec.queue,
-            payload=model.model_dump(mode="json"),
+            payload=self.payload_of(spec, model),
             max_attempts=spec.max_attempts,
             priority=spec.priority,
             label=spec.label_for(model),
             delay=max(0.0, delay),
             expires_in=expires_in,
+            run_at=_utc(eta),
+            expires_at=_utc(expires) if not isinstance(expires, (int, float)) else None,
             options=stored,
             origin_task_id=job_id,
             parent_id=options.get("parent_id") or None,
         )
         if isinstance(new.queue, Queue):
             new.queue = new.queue.name
+        new.follow = has_flow(stored) or task_id is not None
         session = getattr(self._local, "session", None)
         return self._enqueue(new, session=session, plan=self.dedup_plan(spec, model, None, "never"))
 
@@ -379,6 +377,10 @@ class Platform:
             yield session
         finally:
             self._local.session = previous
+
+    def payload_of(self, spec: StageSpec, model: BaseModel) -> dict[str, Any]:
+        """``model`` as stored, within the ``max_payload_bytes`` limit (else PayloadTooLarge)."""
+        return checked_payload(spec.name, model, self.settings.max_payload_bytes)
 
     def dedup_plan(
         self, spec: StageSpec, model: BaseModel, override: Dedup | Literal[False] | None, reuse: Reuse
@@ -398,6 +400,11 @@ class Platform:
                 self.deduper.release(job_id)
         except Exception:  # both are fast paths; Postgres already has the truth
             log.warning("post-terminal notification for %s failed", job_id, exc_info=True)
+        if dedup_key:
+            try:
+                self.followers.resolve(job_id)
+            except Exception:  # the reconciler settles them
+                log.warning("could not settle followers of %s", job_id, exc_info=True)
 
     def continuation(self, sig: Signature, result: Any, parent: Row, extra: Mapping[str, Any]) -> NewJob:
         """The job a chain link or link callback becomes; its id is fixed by the canvas."""
@@ -405,26 +412,39 @@ class Platform:
         args = tuple(sig.args or ())
         if not sig.immutable:
             args = (result, *args)
-        model = spec.validate(payload_from_call(args, dict(sig.kwargs or {})))
+        invalid: tuple[str, str] | None = None
+        try:
+            model = spec.validate(payload_from_call(args, dict(sig.kwargs or {})))
+            payload = self.payload_of(spec, model)
+        except PayloadInvalid as exc:
+            # The parent's success stands; this link is dead-lettered with the reason.
+            invalid, payload = (type(exc).__name__, str(exc)), {}
         opts = dict(sig.options or {})
         task_id = opts.pop("task_id", None)
         job_id = task_id or str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:next:{parent['id']}:{sig.task}"))
         stored = _signature_options(
             {**opts, **extra}, link=opts.get("link"), link_error=opts.get("link_error")
         )
-        return NewJob(
+        new = NewJob(
             id=job_id,
             stage=spec.name,
             queue=opts.get("queue") or spec.queue,
-            payload=model.model_dump(mode="json"),
+            payload=payload,
             max_attempts=spec.max_attempts,
             priority=spec.priority,
-            label=spec.label_for(model),
+            label=spec.name.rsplit(".", 1)[-1] if invalid else spec.label_for(model),
             options=stored,
             origin_task_id=job_id,
             flow_id=parent["flow_id"],
             parent_id=parent["id"],
+            invalid=invalid,
         )
+        if invalid is None:
+            # The same dedup decision as submit(); a canvas waits on this id, so a duplicate
+            # becomes a follower of the holder rather than vanishing into it.
+            new.plan = self.dedup_plan(spec, model, None, "never")
+            new.follow = True
+        return new
 
     def next_jobs(
         self,
@@ -468,25 +488,62 @@ class Platform:
             return out
         epoch = self.broker.epoch()
         for new in created:
-            if self.insert_job(conn, new, epoch=epoch):
+            plan: DedupPlan | None = new.plan
+            if new.invalid is not None:
+                self._insert_dead(conn, new)
+                continue
+            if plan is None:
+                inserted = self.insert_job(conn, new, epoch=epoch)
+            else:
+                now = self.deduper.clock()
+                new.dedup_key = plan.dedup_id
+                if plan.dedup.mode == "debounce":
+                    new.delay = max(new.delay, float(plan.dedup.window or 0))
+                job_id, inserted = self._record(conn, new, plan, now, epoch)
+                inserted = inserted and job_id == new.id
+            if inserted:
                 out.append(new)
                 continue
             spec = self.stages.get(new.stage)
             budget = spec.max_attempts if spec else self.settings.default_max_attempts
             if self.store.rerun(conn, new, budget=budget, upstream=upstream):
-                new.rerun = True
+                holder = None
+                if plan is not None:
+                    now = self.deduper.clock()
+                    holder = self.deduper.retake(conn, plan.dedup_id, new.id, now=now, mode=plan.dedup.mode)
+                if holder is not None:
+                    self.followers.convert(conn, new.id, holder)
+                    new.status, new.follows = s.WAITING_DEDUP, holder
+                else:
+                    new.rerun = True
                 out.append(new)
         return out
+
+    def _insert_dead(self, conn: Connection, new: NewJob) -> None:
+        """Store a job that can never run (its payload is invalid) straight into the DLQ."""
+        assert new.invalid is not None
+        if not self.store.insert(conn, new)[1]:
+            return
+        row = self.store.get(conn, new.id)
+        assert row is not None
+        error_type, message = new.invalid
+        self.store.dead_letter(
+            conn, row, error_type=error_type, message=message, tb_text=None, from_status=(s.QUEUED,)
+        )
+        self.metrics.inc("dead", new.stage)
 
     def publish_continuations(self, created: Sequence[NewJob]) -> None:
         """After commit: publish new continuation jobs; rerun ones get a fresh task id."""
         for new in created:
-            if new.rerun:
+            if new.status == s.WAITING_DEDUP:
+                assert new.follows is not None
+                self.followers.resolve(new.follows)  # the holder may have ended already
+            elif new.rerun:
                 try:
                     self.republish_if_queued(new.id)
                 except Exception:  # the relay publishes it after republish_after
                     log.warning("republish of rerun job %s failed", new.id, exc_info=True)
-            else:
+            elif new.due_now:
                 self.publish_new(new)
 
     def bury(
@@ -498,6 +555,7 @@ class Platform:
         message: str,
         attempt: int | None = None,
         tb_text: str | None = None,
+        from_status: Sequence[str] = (s.RUNNING,),
     ) -> Burial | None:
         """Dead-letter ``row`` outside its stage body (worker lost, hard time limit).
 
@@ -507,7 +565,13 @@ class Platform:
         chord, as Celery would. Call :meth:`after_burial` once committed.
         """
         if not self.store.dead_letter(
-            conn, row, error_type=type(error).__name__, message=message, tb_text=tb_text, attempt=attempt
+            conn,
+            row,
+            error_type=type(error).__name__,
+            message=message,
+            tb_text=tb_text,
+            attempt=attempt,
+            from_status=from_status,
         ):
             return None
         options = row["options"] or {}
@@ -561,23 +625,30 @@ class Platform:
         self.metrics.inc("dead", row["stage"])
         self.publish_continuations(burial.continuation)
         if burial.chord_member:
-            options = row["options"] or {}
-            request = Context(
-                id=row["celery_task_id"] or row["origin_task_id"],
-                group=options.get("group_id"),
-                group_index=options.get("group_index"),
-                chord=options.get("chord"),
-                root_id=options.get("root_id"),
-            )
-            try:
-                self.app.backend.on_chord_part_return(request, burial.state, burial.result)
-            except Exception:
-                log.warning("could not count dead job %s in its chord", row["id"], exc_info=True)
+            self.count_in_chord(row, burial.state, burial.result)
         self.finished(row["id"], s.DEAD, dedup_key=row["dedup_key"])
+
+    def count_in_chord(self, row: Row, state: str, result: Any) -> None:
+        """Count a job that ended outside its own delivery (buried, or settled as a
+        follower) in its chord's counter, as Celery counts a member that ran."""
+        options = row["options"] or {}
+        if not options.get("chord") or options.get("chain"):
+            return
+        request = Context(
+            id=row["celery_task_id"] or row["origin_task_id"],
+            group=options.get("group_id"),
+            group_index=options.get("group_index"),
+            chord=options.get("chord"),
+            root_id=options.get("root_id"),
+        )
+        try:
+            self.app.backend.on_chord_part_return(request, state, result)
+        except Exception:
+            log.warning("could not count job %s in its chord", row["id"], exc_info=True)
 
     def insert_job(self, conn: Connection, new: NewJob, *, epoch: str | None) -> bool:
         """Insert ``new`` (marked as published under ``epoch`` if due now) plus its event."""
-        if new.delay <= 0 and epoch is not None:
+        if new.due_now and epoch is not None and new.status == s.QUEUED:
             new.published_epoch = epoch
         created = self.store.insert_submitted(conn, new)
         if created:
@@ -588,7 +659,7 @@ class Platform:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
         now = 0.0
         if plan is not None:
-            if plan.fast_path:
+            if plan.fast_path and not new.follow:
                 hit, now = self.deduper.cached(plan.scope, plan.key, new.stage)
                 if hit is not None:
                     self.metrics.inc("deduplicated", new.stage)
@@ -600,7 +671,7 @@ class Platform:
             new.dedup_key = plan.dedup_id
             if plan.dedup.mode == "debounce":
                 new.delay = max(new.delay, float(plan.dedup.window or 0))
-        epoch = self.broker.epoch() if new.delay <= 0 else None
+        epoch = self.broker.epoch() if new.due_now else None
         if session is not None:
             job_id, created = self._record(session.connection(), new, plan, now, epoch)
         elif plan is None and not is_sqlite(self.engine):
@@ -614,6 +685,10 @@ class Platform:
         spec = self.stages.get(new.stage)
 
         def after_commit() -> None:
+            if created and new.status == s.WAITING_DEDUP:
+                assert new.follows is not None
+                self.followers.resolve(new.follows)  # the holder may have ended already
+                return
             if created and plan is not None and plan.dedup.mode != "debounce":
                 try:
                     self.deduper.cache(
@@ -627,15 +702,19 @@ class Platform:
                     self._request_preemption_for(new.id, spec, new.payload)
                 except Exception:  # the claim asks again
                     log.warning("submit-time preemption request for %s failed", new.id, exc_info=True)
-            if created and new.delay <= 0:
+            if created and new.due_now:
                 self.publish_new(new)
 
         if session is None:
             after_commit()
         else:
             _after_commit(session, after_commit)
+        following = created and new.status == s.WAITING_DEDUP
         handle = JobHandle(
-            self, job_id, deduplicated=not created, task_id=new.origin_task_id if created else None
+            self,
+            job_id,
+            deduplicated=following or not created,
+            task_id=new.origin_task_id if created else None,
         )
         handle.dedup_seq = new.dedup_seq
         handle.dedup_at = now if plan is not None else None
@@ -658,7 +737,7 @@ class Platform:
                 ttl=plan.ttl,
                 reuse=plan.reuse,
             )
-            if not acq.won:
+            if not acq.won and acq.holder != new.id:  # holding it already: a redelivery
                 stolen = False
                 if d.mode == "debounce":
                     assert d.window is not None and new.dedup_seq is not None
@@ -690,8 +769,12 @@ class Platform:
                         "existing_job": acq.holder,
                         "mode": d.mode,
                     }
+                    if new.follow:
+                        body["follower"] = new.id
                     self.store.emit(conn, [new_event(acq.holder, "job.deduplicated", body)])
                     self.metrics.inc("deduplicated", new.stage)
+                    if new.follow:
+                        return new.id, self.followers.follow(conn, new, acq.holder)
                     return acq.holder, False
         created = self.insert_job(conn, new, epoch=epoch)
         if created:
@@ -772,7 +855,7 @@ class Platform:
                 raise LookupError(f"job {job_id} not found")
             status = str(row["status"])
             who = {"cancelled_by": by[:200], "cancel_reason": reason}
-            if status in (*s.CLAIMABLE, s.WAITING_LEASE):
+            if status in (*s.CLAIMABLE, s.WAITING_LEASE, s.WAITING_DEDUP):
                 ok = self.store.finish(
                     conn,
                     row,
@@ -847,6 +930,17 @@ def _signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any
     return out
 
 
+def _utc(value: Any) -> dt.datetime | None:
+    """An absolute time as an aware UTC datetime (naive ones are taken as UTC)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value)
+    if not isinstance(value, dt.datetime):
+        raise TypeError(f"expected a datetime, got {type(value).__name__}")
+    return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).astimezone(dt.UTC)
+
+
 def _plain(value: Any) -> Any:
     """Signatures are dicts; make nested ones plain JSON-able structures."""
     if isinstance(value, dict):
@@ -857,20 +951,38 @@ def _plain(value: Any) -> Any:
 
 
 def _after_commit(session: Session, fn: Callable[[], None]) -> None:
-    """Run ``fn`` after ``session`` commits; drop it on rollback."""
-    pending: list[Callable[[], None]] = session.info.setdefault(PENDING_KEY, [])
+    """Run ``fn`` once ``session``'s outermost transaction commits.
+
+    Dropped if the transaction it was registered in rolls back, or any savepoint around
+    it does; a savepoint rolled back *beside* it (before or after) leaves it alone.
+    """
+    pending: list[tuple[Any, Callable[[], None]]] = session.info.setdefault(PENDING_KEY, [])
     if not session.info.get(PENDING_KEY + "_hooked"):
         session.info[PENDING_KEY + "_hooked"] = True
 
         def on_commit(sess: Session) -> None:
+            if sess.get_nested_transaction() is not None:
+                return  # a savepoint was released: its work commits (or not) with the outer one
             todo = sess.info.get(PENDING_KEY) or []
             sess.info[PENDING_KEY] = []
-            for f in todo:
+            for _, f in todo:
                 f()
 
-        def on_rollback(sess: Session) -> None:
-            sess.info[PENDING_KEY] = []
+        def on_rollback(sess: Session, ended: Any) -> None:
+            sess.info[PENDING_KEY] = [
+                (tx, f) for tx, f in sess.info.get(PENDING_KEY) or [] if not _within(tx, ended)
+            ]
 
         sa_event.listen(session, "after_commit", on_commit)
-        sa_event.listen(session, "after_soft_rollback", lambda sess, _tx: on_rollback(sess))
-    pending.append(fn)
+        sa_event.listen(session, "after_soft_rollback", on_rollback)
+    current = session.get_nested_transaction() or session.get_transaction()
+    pending.append((current, fn))
+
+
+def _within(tx: Any, ancestor: Any) -> bool:
+    """Whether session transaction ``tx`` is ``ancestor`` or nested inside it."""
+    while tx is not None:
+        if tx is ancestor:
+            return True
+        tx = tx.parent
+    return False

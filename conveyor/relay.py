@@ -12,12 +12,13 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import and_, delete, exists, literal_column, or_, select, update
+from sqlalchemy import and_, delete, exists, func, literal_column, or_, select, update
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
 from conveyor.errors import WorkerLost
+from conveyor.events import sequence_events
 from conveyor.liveness import Orphan, note_tick, takeovers_allowed
 from conveyor.store import counted_attempts, new_event
 
@@ -56,6 +57,7 @@ class Relay:
         self._unparked: list[str] = []
         self._interrupts: list[tuple[str, int, str]] = []
         self._burials: list[Burial] = []
+        self._stuck: list[str] = []  # holders whose followers wait although they ended
 
     # -- one pass -----------------------------------------------------------------------
 
@@ -89,7 +91,10 @@ class Relay:
                 return report
             # Reconcile first: a job it requeues is published in this very pass.
             finished = self._reconcile(conn, report, redis_up=epoch is not None) if reconcile else []
-            marked = self._mark_publishable(conn, epoch, orphans) if epoch is not None else []
+            marked = (
+                self._mark_publishable(conn, epoch, orphans, reconcile=reconcile) if epoch is not None else []
+            )
+        sequence_events(p.engine)  # keeps readers' own sequencer passes small
         for job_id, status, dedup_key in finished:
             p.finished(job_id, status, dedup_key=dedup_key)
         if epoch is None:
@@ -101,18 +106,22 @@ class Relay:
             p.after_burial(burial)
         for job_id in self._unparked:
             p.republish_if_queued(job_id)
+        for holder in self._stuck:
+            p.followers.resolve(holder)
         for job_id, attempt, task_id in self._interrupts:
             p.app.control.broadcast(
                 "conveyor_interrupt", arguments={"job_id": job_id, "attempt": attempt, "task_id": task_id}
             )
-        self._unparked, self._interrupts, self._burials = [], [], []
+        self._unparked, self._interrupts, self._burials, self._stuck = [], [], [], []
         for row, task_id in marked:
             self._publish(row, task_id)
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
         report.republished = len(marked) - report.published
         return report
 
-    def _mark_publishable(self, conn: Any, epoch: str, orphans: dict[str, Orphan]) -> list[tuple[Any, str]]:
+    def _mark_publishable(
+        self, conn: Any, epoch: str, orphans: dict[str, Orphan], *, reconcile: bool
+    ) -> list[tuple[Any, str]]:
         """Due jobs and jobs whose message was lost, each marked published under ``epoch``
         with a fresh task id (published after commit)."""
         p = self.platform
@@ -130,23 +139,55 @@ class Relay:
             .mappings()
             .all()
         )
-        # Two index-friendly queries rather than one OR: a wiped broker, and a message
-        # that sat unclaimed too long under the current epoch.
+        # A wiped broker: everything published under another epoch, exactly once per epoch.
         published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
         other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
-        unclaimed = and_(
-            jobs.c.broker_epoch == epoch, jobs.c.published_at < db_now_plus(-p.settings.republish_after)
-        )
         lost = [
             *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
-            *conn.execute(select(jobs).where(published, unclaimed).limit(BATCH)).mappings(),
+            *(self._unclaimed_too_long(conn, epoch) if reconcile else []),
             *self._taken_by_dead_workers(conn, orphans, seen={r["id"] for r in due}),
         ]
+        unique = {r["id"]: r for r in [*due, *lost]}  # one message per job per pass
         return [
             (row, task_id)
-            for row in [*due, *lost]
+            for row in unique.values()
             if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
         ]
+
+    def _unclaimed_too_long(self, conn: Any, epoch: str) -> list[Any]:
+        """Jobs published under this epoch more than ``republish_after`` ago and still not
+        claimed, *if their queue holds fewer messages than it has such jobs*.
+
+        A long backlog is not a lost message: republishing every old job each period would
+        multiply the backlog (and every copy costs a claim). A queue short of messages has
+        lost some; the oldest waiting jobs get one more message each, up to the shortfall,
+        so the broker never holds much more than one message per waiting job.
+        """
+        p = self.platform
+        waiting = and_(
+            jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None), jobs.c.broker_epoch == epoch
+        )
+        old = jobs.c.published_at < db_now_plus(-p.settings.republish_after)
+        stale = dict(
+            conn.execute(select(jobs.c.queue, func.count()).where(waiting, old).group_by(jobs.c.queue)).all()
+        )
+        if not stale:
+            return []
+        totals = dict(
+            conn.execute(
+                select(jobs.c.queue, func.count())
+                .where(waiting, jobs.c.queue.in_(list(stale)))
+                .group_by(jobs.c.queue)
+            ).all()
+        )
+        messages = p.broker.message_counts(list(stale))
+        rows: list[Any] = []
+        for queue, n_stale in stale.items():
+            short = min(int(n_stale), int(totals.get(queue, 0)) - messages.get(queue, 0), BATCH)
+            if short > 0:
+                q = select(jobs).where(waiting, old, jobs.c.queue == queue)
+                rows += conn.execute(q.order_by(jobs.c.published_at).limit(short)).mappings()
+        return rows
 
     def _taken_by_dead_workers(self, conn: Any, orphans: dict[str, Orphan], *, seen: set[str]) -> list[Any]:
         """Jobs whose message a dead worker may have taken and never claimed, still queued
@@ -306,6 +347,7 @@ class Relay:
         if redis_up:
             self._unparked = p.leases.unpark_free_keys(conn)
             self._interrupts = self._escalations(conn)
+            self._stuck = p.followers.stuck_holders(conn)
         return finished
 
     def _escalations(self, conn: Any) -> list[tuple[str, int, str]]:
@@ -359,6 +401,7 @@ class Relay:
         n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
         holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == literal_column("dedup_keys.job_id")))
         n += conn.execute(delete(dedup_keys).where(holder_gone)).rowcount
+        n += self.platform.followers.purge(conn)
         n += conn.execute(
             delete(dead_letters).where(
                 dead_letters.c.created_at < db_now_plus(-settings.dlq_retention_days * 86400)

@@ -152,7 +152,12 @@ class Runner:
         self.heartbeat.install_interrupt_handler()
         attempt = int(job["attempts"])
         ctx = JobContext(
-            self.platform, job_id=job["id"], attempt=attempt, stage=spec.name, flow_id=job["flow_id"]
+            self.platform,
+            job_id=job["id"],
+            attempt=attempt,
+            stage=spec.name,
+            flow_id=job["flow_id"],
+            queue=job["queue"],
         )
         ctx.slot = slot
         self.heartbeat.track(ctx)
@@ -378,11 +383,12 @@ class Runner:
             log.warning("post-commit notification failed for %s", job["id"], exc_info=True)
 
     def _replay_success(self, task: StageTask, job: Row) -> Any:
-        """A copy of a job that already succeeded: do not run the body again, but make sure
-        the flow is not stranded (its continuation is published again; claims dedupe)."""
+        """A copy of a job that already succeeded: the body does not run again. Its
+        continuation committed with the completion; the relay publishes it if its message
+        was lost, so this copy needs to write nothing."""
         self._record_skip(job["id"], ClaimOutcome.ALREADY_SUCCEEDED, task.request.id)
-        for new in self._continuations(task, job, job["result"]):
-            self.platform.republish_if_queued(new.id)
+        req = task.request
+        req.chain = req.callbacks = None  # already taken over at completion
         return job["result"]
 
     # -- failure ------------------------------------------------------------------------
@@ -572,6 +578,7 @@ class Runner:
         store = self.platform.store
         try:
             payload = spec.validate(payload_from_call(args, kwargs))
+            data = self.platform.payload_of(spec, payload)
         except PayloadInvalid as exc:
             _, created = store.insert(conn, new)
             if created:
@@ -587,7 +594,7 @@ class Runner:
                     from_status=(s.QUEUED,),
                 )
             return new.id
-        new.payload = payload.model_dump(mode="json")
+        new.payload = data
         new.label = spec.label_for(payload)
         plan = self.platform.dedup_plan(spec, payload, None, "never")
         if plan is not None and store.get(conn, new.id) is not None:
@@ -603,14 +610,20 @@ class Runner:
         return job_id
 
     def _record_skip(self, job_id: str, outcome: ClaimOutcome, task_id: str) -> None:
-        self.platform.metrics.inc("skipped", "*")
+        """A copy that must not run (a duplicate, or the job ended or is not due): no
+        Postgres write, so duplicates under a backlog cost the database nothing. Counted
+        in the metrics and noted in a capped Redis stream (``discarded_stream``)."""
+        p = self.platform
+        p.metrics.inc("skipped", "*")
         try:
-            with self.platform.engine.begin() as conn:
-                self.platform.store.emit(
-                    conn, [new_event(job_id, "job.skipped", {"reason": outcome.value, "task_id": task_id})]
-                )
-        except Exception:  # a skip record is informational: never fail the delivery for it
-            log.warning("could not record skip of %s", job_id)
+            p.redis.xadd(
+                p.discarded_stream,
+                {"job": job_id, "reason": outcome.value, "task_id": task_id},
+                maxlen=10_000,
+                approximate=True,
+            )
+        except Exception:  # informational only: never fail the delivery for it
+            log.warning("could not note the discarded copy of %s", job_id)
 
     def record_garbage(self, error_type: str, message: str, headers: Mapping[str, Any]) -> None:
         """DLQ entry for an unrunnable message; headers only, never the body."""

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conveyor.admission import RateLimit
+
+
+def _log_level(value: str) -> str:
+    name = value.strip().upper()
+    if not isinstance(logging.getLevelName(name), int):
+        raise ValueError(f"unknown log level {value!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+    return name
 
 
 class StageOverride(BaseModel):
@@ -69,6 +78,9 @@ class ConveyorSettings(BaseSettings):
     preempt_wait_budget: float = Field(30.0, description="longest a preemptor waits in its slot")
     stop_poll_interval: float = Field(0.1, description="how often a running child polls its stop flag")
     dedup_cache_ttl: float = Field(300.0, description="longest a dedup holder is cached in Redis")
+    max_payload_bytes: int = Field(
+        65536, ge=256, description="largest payload (as JSON) a job may carry: ids and references, not blobs"
+    )
     retention_days: float = 7.0
     dlq_retention_days: float = 7.0
     result_expires: float = 7 * 86400.0
@@ -77,6 +89,12 @@ class ConveyorSettings(BaseSettings):
     soft_shutdown_timeout: float = 30.0
     db_pool_size: int = 5
     metrics_dir: Path | None = None
+    log_format: Literal["console", "json"] = Field(
+        "console", description="one renderer for every log line: JSON lines, or text for people"
+    )
+    log_level: Annotated[str, AfterValidator(_log_level)] = Field(
+        "INFO", description="root log level; when set, it wins over a worker's -l"
+    )
 
     flower_port: int = 5555
     flower_user: str = "conveyor"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -11,7 +12,7 @@ from celery import Task
 from pydantic import BaseModel, ValidationError
 
 from conveyor.dedup import Dedup
-from conveyor.errors import PayloadInvalid
+from conveyor.errors import PayloadInvalid, PayloadTooLarge
 from conveyor.retry import Backoff, RetryPolicy
 
 if TYPE_CHECKING:
@@ -65,6 +66,18 @@ class StageSpec:
             return str(self.label(payload))[:200]
         except Exception:  # a label must never break a submit
             return self.name
+
+
+def checked_payload(stage: str, model: BaseModel, limit: int) -> dict[str, Any]:
+    """The payload as stored (JSON-ready), refused when its JSON is over ``limit`` bytes."""
+    data = model.model_dump(mode="json")
+    size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > limit:
+        raise PayloadTooLarge(
+            f"payload for {stage} is {size} bytes of JSON, over the limit of {limit} bytes "
+            "(max_payload_bytes): pass ids or references to stored data, not the data itself"
+        )
+    return data
 
 
 def readable_validation_error(stage: str, exc: ValidationError) -> str:

@@ -4,13 +4,14 @@ comparisons use the database clock."""
 
 from __future__ import annotations
 
+import datetime as dt
 import traceback as tb
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, and_, func, insert, or_, select, update
+from sqlalchemy import Connection, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.claims import Claim, ClaimOutcome, Claims, counted_attempts
@@ -22,9 +23,9 @@ from conveyor.db.dialect import (
     db_now_plus,
     is_sqlite,
     upsert,
-    visible_txid_horizon,
 )
 from conveyor.db.schema import Row, dead_letters, job_events, jobs, new_event
+from conveyor.events import EventCursor, event_position, resolve_cursor, sequence_events
 
 __all__ = [
     "Claim",
@@ -51,8 +52,10 @@ class NewJob:
     priority: int = 0
     label: str | None = None
     idempotency_key: str | None = None
-    delay: float = 0.0
+    delay: float = 0.0  # relative: added to the database's clock
     expires_in: float | None = None
+    run_at: dt.datetime | None = None  # absolute: stored as given (wins over delay)
+    expires_at: dt.datetime | None = None
     flow_id: str | None = None
     parent_id: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
@@ -62,6 +65,16 @@ class NewJob:
     rerun: bool = False  # set: the row existed and was sent back to queued (republish it)
     dedup_key: str | None = None
     dedup_seq: int | None = None
+    plan: Any = None  # its DedupPlan, when its stage (or the submit) declares dedup
+    follow: bool = False  # deduplicated, it becomes a follower (something waits on it)
+    follows: str | None = None  # set: stored as a follower of this holder
+    invalid: tuple[str, str] | None = None  # (error type, message): stored dead-lettered
+
+    @property
+    def due_now(self) -> bool:
+        """Published at insert. An absolute ``run_at`` is left to the relay, which compares
+        it with the database's clock, never the submitter's."""
+        return self.delay <= 0 and self.run_at is None
 
 
 class JobStore(Claims):
@@ -89,8 +102,9 @@ class JobStore(Claims):
             "idempotency_key": job.idempotency_key,
             "attempts": 0,
             "max_attempts": job.max_attempts,
-            "run_at": db_now_plus(job.delay) if job.delay > 0 else db_now(),
-            "expires_at": db_now_plus(job.expires_in) if job.expires_in is not None else None,
+            "run_at": job.run_at or (db_now_plus(job.delay) if job.delay > 0 else db_now()),
+            "expires_at": job.expires_at
+            or (db_now_plus(job.expires_in) if job.expires_in is not None else None),
             "flow_id": job.flow_id or job.id,
             "parent_id": job.parent_id,
             "options": job.options,
@@ -117,7 +131,7 @@ class JobStore(Claims):
 
     def insert_submitted(self, conn: Connection, job: NewJob) -> bool:
         """Insert ``job`` with its ``job.submitted`` event; False if it already existed."""
-        if is_sqlite(conn) or job.status != s.QUEUED:
+        if is_sqlite(conn) or job.status != s.QUEUED or job.run_at or job.expires_at:
             created = self.insert(conn, job)[1]
             if created:
                 self.emit(conn, [new_event(job.id, "job.submitted", {"stage": job.stage})])
@@ -348,27 +362,25 @@ class JobStore(Claims):
     def events_since(
         self, conn: Connection, cursor: str | None, *, job_id: str | None = None, limit: int = 500
     ) -> tuple[list[RowMapping], str | None]:
-        """Events after ``cursor`` in commit order, and the cursor to pass next time."""
-        txid, eid = parse_cursor(cursor)
-        horizon = visible_txid_horizon(conn)
-        q = select(job_events)
-        if horizon is None:
-            q = q.where(job_events.c.id > eid).order_by(job_events.c.id)
-        else:
-            q = q.where(
-                or_(
-                    job_events.c.txid > txid,
-                    and_(job_events.c.txid == txid, job_events.c.id > eid),
-                ),
-                job_events.c.txid < horizon,
-            ).order_by(job_events.c.txid, job_events.c.id)
+        """Events after ``cursor`` in commit order, and the cursor to pass next time.
+
+        Every event committed before the call is included (the sequencer runs first, see
+        :mod:`conveyor.events`); one still uncommitted comes in a later call, after these.
+        Each row has a ``position``: ``str(row["position"])`` is the cursor right after it.
+        With no new events the cursor comes back unchanged (an old ``"txid:id"`` one in
+        today's form).
+        """
+        parsed = parse_cursor(cursor)
+        sequence_events(conn)
+        after = resolve_cursor(conn, parsed)
+        position = event_position(conn)
+        q = select(job_events, position.label("position")).where(position > after)
         if job_id is not None:
             q = q.where(job_events.c.job_id == job_id)
-        rows = list(conn.execute(q.limit(limit)).mappings())
+        rows = list(conn.execute(q.order_by(position).limit(limit)).mappings())
         if not rows:
-            return rows, cursor
-        last = rows[-1]
-        return rows, f"{last['txid']}:{last['id']}"
+            return rows, None if cursor is None else str(after)
+        return rows, str(rows[-1]["position"])
 
     def count_by_status(self, conn: Connection, stage: str | None = None) -> dict[str, int]:
         """Job counts per status (optionally of one stage)."""
@@ -378,12 +390,25 @@ class JobStore(Claims):
         return {str(k): int(v) for k, v in conn.execute(q)}
 
 
-def parse_cursor(cursor: str | None) -> tuple[int, int]:
-    """``"txid:id"`` → (txid, id); None → the beginning."""
+def parse_cursor(cursor: str | None) -> EventCursor:
+    """A cursor from :meth:`JobStore.events_since` → where to resume; None → the beginning.
+
+    Cursors are event positions (``"1234"``). A ``"txid:id"`` cursor from before migration
+    0009 resumes right after event ``id``. Raises ValueError for anything else.
+    """
     if not cursor:
-        return (-1, 0)
-    txid, _, eid = cursor.partition(":")
-    return int(txid), int(eid)
+        return EventCursor()
+    txid, sep, eid = cursor.partition(":")
+    if sep:
+        int(txid)  # validated only: event ``id`` alone locates where the old reader was
+        legacy = int(eid)
+        if legacy < 0:
+            raise ValueError(f"bad event cursor {cursor!r}")
+        return EventCursor(legacy_id=legacy)
+    after = int(cursor)
+    if after < 0:
+        raise ValueError(f"bad event cursor {cursor!r}")
+    return EventCursor(after=after)
 
 
 def _insert_ignore(conn: Connection, values: dict[str, Any], index: list[str] | None) -> Any:

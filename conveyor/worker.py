@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import bootsteps, signals
+from celery.utils.log import get_multiprocessing_logger
 from celery.worker import state as worker_state
 from celery.worker.control import control_command
 
 from conveyor.errors import ConfigurationError
 from conveyor.heartbeat import INTERRUPT_SIGNAL
+from conveyor.logs import configure_logging
 from conveyor.relay import Relay
 from conveyor.shutdown import request_job_id
 
@@ -101,9 +105,49 @@ def conveyor_interrupt(state: Any, job_id: str, attempt: int, task_id: str) -> d
     return {"ok": "not running here"}
 
 
+def use_conveyor_logging(platform: Platform) -> Callable[[], None]:
+    """Make Celery programs (worker, beat) log through :func:`conveyor.logs.configure_logging`.
+
+    A receiver of ``setup_logging`` makes Celery skip its own logging setup entirely. The
+    level is ``CONVEYOR_LOG_LEVEL`` when set, else the program's ``-l``. Returns a function
+    that disconnects the receivers again.
+    """
+
+    def setup(loglevel: Any = None, logfile: Any = None, **_: Any) -> None:
+        settings = platform.settings
+        explicit = "log_level" in settings.model_fields_set
+        level = settings.log_level if explicit or not loglevel else loglevel
+        # As Celery does: sys.stderr may already be redirected to a logger.
+        stream = logfile if hasattr(logfile, "write") else (sys.__stderr__ or sys.stderr)
+        path = logfile if isinstance(logfile, str) and logfile else None
+        configure_logging(settings, level=level, stream=stream, logfile=path)
+        # Celery's own setup is what usually turns billiard's logger on; without it the
+        # pool's "Process ... exited with ..." errors would be dropped.
+        pool_log = get_multiprocessing_logger()
+        if pool_log is not None:
+            pool_log.propagate = True
+            pool_log.setLevel(logging.getLogger().level if os.environ.get("MP_LOG") else logging.ERROR)
+
+    def redirect_stdouts(sender: Any = None, instance: Any = None, **_: Any) -> None:
+        # Celery skips this when logging is customised; without it a stage's print() would
+        # bypass the renderer and the redaction (pool children follow the parent's choice).
+        if getattr(instance, "_custom_logging", None) and getattr(instance, "redirect_stdouts", False):
+            instance.app.log.redirect_stdouts(instance.redirect_stdouts_level)
+
+    signals.setup_logging.connect(setup, weak=False)
+    signals.celeryd_after_setup.connect(redirect_stdouts, weak=False)
+
+    def disconnect() -> None:
+        signals.setup_logging.disconnect(setup)
+        signals.celeryd_after_setup.disconnect(redirect_stdouts)
+
+    return disconnect
+
+
 def install(platform: Platform) -> None:
     """Wire the platform into its Celery app's workers."""
     app = platform.app
+    use_conveyor_logging(platform)
     app.steps["worker"].add(ConveyorStep)
     app.conf.worker_consumer = "conveyor.consumer:Consumer"
 

@@ -71,3 +71,13 @@ def publish_again(platform: Any, row: Any, *, task_id: str) -> None:
         options=row["options"],
         task_id=task_id,
     )
+
+
+def discarded(platform: Any, job_id: str) -> list[str]:
+    """Why copies of ``job_id`` were discarded unrun (the runner notes them in Redis only)."""
+    out = []
+    for _, fields in platform.redis.xrange(platform.discarded_stream):
+        f = {k.decode(): v.decode() for k, v in fields.items()}
+        if f.get("job") == job_id:
+            out.append(f["reason"])
+    return out

@@ -3,9 +3,8 @@
 * Time: Postgres stores ``timestamptz``; SQLite stores integer milliseconds since the epoch.
   Either way Python sees aware UTC datetimes, and every comparison uses the database clock
   (:class:`db_now`), never the caller's.
-* Event positions: on Postgres an event's position is ``(txid, id)`` and readers only see
-  transactions older than the oldest one still running, so a lower id that commits last is
-  never skipped. SQLite serialises writers, so ``id`` order already is commit order.
+* Event positions: on Postgres a sequencer numbers events after they commit (``seq``, see
+  :mod:`conveyor.events`); SQLite serialises writers, so ``id`` order already is commit order.
 * Mutual exclusion for the relay: a Postgres advisory lock; on SQLite an ``flock`` file.
 """
 
@@ -193,19 +192,13 @@ class LockingConnection(sqlite3.Connection):
 
 # -- event positions -------------------------------------------------------------------
 
+# The writer's transaction id, the events' position before migration 0009 (which drops the
+# column); only migrations use it.
 EVENT_TXID_DEFAULT_PG = "(pg_current_xact_id()::text)::bigint"
 
-
-def visible_txid_horizon(conn: Connection) -> int | None:
-    """Events of transactions below this txid are all committed or aborted (Postgres).
-
-    Returns None on SQLite, where every committed event is already in commit order.
-    """
-    if is_sqlite(conn):
-        return None
-    return int(
-        conn.execute(text("SELECT (pg_snapshot_xmin(pg_current_snapshot())::text)::bigint")).scalar_one()
-    )
+# Numbers up to ``limit`` committed, unnumbered events; the function (migration 0009) holds
+# the sequencer's lock until the calling transaction ends, so commit right after.
+PG_SEQUENCE_EVENTS = text("SELECT conveyor_sequence_events(:limit)")
 
 
 # -- singleton locks -------------------------------------------------------------------

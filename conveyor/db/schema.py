@@ -11,7 +11,6 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
-    FetchedValue,
     Index,
     Integer,
     MetaData,
@@ -44,6 +43,8 @@ CANCELLED = "cancelled"
 EXPIRED = "expired"
 SKIPPED = "skipped"
 WAITING_LEASE = "waiting_lease"  # parked until its lease key is released; holds no pool slot
+# A flow's job deduplicated into a live holder: takes the holder's outcome when it ends.
+WAITING_DEDUP = "waiting_dedup"
 
 TERMINAL = frozenset({SUCCEEDED, DEAD, CANCELLED, EXPIRED, SKIPPED})
 THROTTLED = "throttled"  # over a rate limit or concurrency cap: parked until run_at
@@ -113,16 +114,27 @@ jobs = Table(
 job_events = Table(
     "job_events",
     metadata,
+    # SQLite: AUTOINCREMENT, so ids (its readers' positions) are never reused after a purge.
     Column("id", BigId, primary_key=True, autoincrement=True),
-    # Postgres: the writing transaction's id (server default); SQLite: 0.
-    Column("txid", BigInteger, nullable=False, server_default=FetchedValue()),
+    # Postgres: the readers' position, numbered in commit order after commit (NULL until
+    # then; see conveyor.events). SQLite leaves it NULL: one writer, so ``id`` is the position.
+    Column("seq", BigInteger, nullable=True),
     Column("job_id", String(36), nullable=True),
     Column("topic", String(100), nullable=False),
     Column("body", JSON, nullable=False),
     Column("created_at", Timestamp(), nullable=False),
-    Index("ix_job_events_position", "txid", "id"),
-    Index("ix_job_events_job", "job_id", "id"),
+    Index(
+        "ix_job_events_seq",
+        "seq",
+        unique=True,
+        postgresql_where=text("seq IS NOT NULL"),
+        sqlite_where=text("seq IS NOT NULL"),
+    ),
+    # What the sequencer has yet to number (Postgres only: SQLite never numbers).
+    Index("ix_job_events_pending", "id", postgresql_where=text("seq IS NULL")).ddl_if(dialect="postgresql"),
+    Index("ix_job_events_job", "job_id", "seq"),
     Index("ix_job_events_created", "created_at"),
+    sqlite_autoincrement=True,
 )
 
 dead_letters = Table(
@@ -160,6 +172,16 @@ dedup_keys = Table(
     Column("updated_ms", BigInteger, nullable=False),
     Index("ix_dedup_keys_job", "job_id"),
     Index("ix_dedup_keys_expires", "expires_ms"),
+)
+
+# Who a ``waiting_dedup`` job waits for (the holder of its dedup id when it was created).
+dedup_followers = Table(
+    "dedup_followers",
+    metadata,
+    Column("job_id", String(36), primary_key=True),
+    Column("holder", String(36), nullable=False),
+    Column("created_at", Timestamp(), nullable=False),
+    Index("ix_dedup_followers_holder", "holder"),
 )
 
 counters = Table(

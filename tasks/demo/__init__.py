@@ -55,6 +55,19 @@ class Keyed(Effect):
     user: str
 
 
+class Pad(BaseModel):
+    """Carries (and returns) ``n`` bytes of padding: the payload-size tests' stage."""
+
+    n: int = 0
+    pad: str = ""
+
+
+@platform.stage("conveyor.demo.pad", payload=Pad, queue="demo")
+def pad(ctx: JobContext, p: Pad) -> dict[str, Any]:
+    """Return ``n`` bytes of padding (which the next link of a chain receives)."""
+    return {"pad": "x" * p.n, "n": 0}
+
+
 @platform.stage("conveyor.demo.noop", payload=Number, queue="demo")
 def noop(ctx: JobContext, p: Number) -> dict[str, int]:
     """Do nothing but succeed (the benchmark's stage)."""

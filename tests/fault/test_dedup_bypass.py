@@ -14,7 +14,7 @@ import tasks.demo as demo
 from conveyor.db import schema as s
 from conveyor.db.schema import jobs
 from tests.fault.conftest import Spawn
-from tests.helpers import effect_count, eventually, publish_again
+from tests.helpers import discarded, effect_count, eventually, publish_again
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
 
@@ -36,7 +36,7 @@ def test_no_path_bypasses_dedup(platform: Any, spawn: Spawn, tag: str) -> None:
 
     row = holder.row()
     publish_again(platform, row, task_id=row["celery_task_id"])
-    eventually(lambda: "job.skipped" in _topics(holder), timeout=60)
+    eventually(lambda: discarded(platform, holder.id), timeout=60)
 
     platform.redis.rpush(f"{tag}:go", "go")
     assert holder.wait(60) == s.SUCCEEDED

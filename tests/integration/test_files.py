@@ -12,7 +12,7 @@ from conveyor.db import schema as s
 from conveyor.db.schema import dead_letters, jobs
 from pipelines.files import Upload, confirm, process_batch, search, upload
 from tasks.files.models import files
-from tests.helpers import eventually
+from tests.helpers import discarded, eventually
 from tests.integration.files_support import (
     FIXTURES,
     TOPICS,
@@ -126,9 +126,7 @@ def test_duplicate_header_task_and_lost_chord_counter_still_complete_once(
     publish_again(platform, extract_jobs[0], task_id=extract_jobs[0]["origin_task_id"])
     batch = completed(platform, batch_id, timeout=120)
     assert (batch["ready"], batch["terminal"]) == (4, 4)
-    time_to_settle = eventually(
-        lambda: "job.skipped" in [e.topic for e in platform.job(extract_jobs[0]["id"]).events()[0]]
-    )
+    time_to_settle = eventually(lambda: discarded(platform, extract_jobs[0]["id"]))
     assert time_to_settle
     assert completed_events(platform, batch_id) == 1
 

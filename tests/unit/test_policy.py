@@ -6,6 +6,7 @@ import pytest
 from pydantic import BaseModel
 
 from conveyor.errors import PayloadInvalid, PermanentError, TransientError, is_permanent
+from conveyor.events import EventCursor
 from conveyor.retry import Backoff, Schedule
 from conveyor.stage import StageSpec, payload_from_call
 from conveyor.store import parse_cursor
@@ -48,5 +49,10 @@ def test_payload_from_call_merges_chain_results_and_chord_lists() -> None:
 
 
 def test_cursor_round_trip() -> None:
-    assert parse_cursor(None) == (-1, 0)
-    assert parse_cursor("12:34") == (12, 34)
+    assert parse_cursor(None) == EventCursor()
+    assert parse_cursor("1234") == EventCursor(after=1234)
+    # A cursor from before migration 0009 ("txid:id") resumes after event id.
+    assert parse_cursor("12:34") == EventCursor(legacy_id=34)
+    for bad in ("x", "-1", "1:x"):
+        with pytest.raises(ValueError):
+            parse_cursor(bad)

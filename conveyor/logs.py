@@ -1,0 +1,273 @@
+"""Structured logs: one renderer for structlog and stdlib records, per-job context, redaction.
+
+:func:`configure_logging` puts a single handler on the root logger whose
+``structlog.stdlib.ProcessorFormatter`` renders every record, Conveyor's, Celery's and a
+stage's, as JSON lines or as console text (``CONVEYOR_LOG_FORMAT``). Before anything is
+rendered, :func:`redact` masks the values of secret-looking keys and scrubs secrets and
+e-mail addresses out of every string (the message, its ``%``-args, tracebacks).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import socket
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from logging.handlers import WatchedFileHandler
+from typing import TYPE_CHECKING, Any, TextIO, TypeAlias
+
+import structlog
+from structlog.stdlib import BoundLogger, ProcessorFormatter
+from structlog.typing import EventDict, Processor, WrappedLogger
+
+if TYPE_CHECKING:
+    from conveyor.settings import ConveyorSettings
+
+MASK = "***"
+JOB_KEYS = ("job_id", "stage", "attempt", "queue")
+JOB_LOGGER = "conveyor.job"
+HANDLER_NAME = "conveyor"
+JobTokens: TypeAlias = Mapping[str, contextvars.Token[Any]]
+
+_SECRET_WORD = (
+    r"(?:password|passwd|passphrase|pwd|secret|token|api[_-]?key|access[_-]?key|private[_-]?key"
+    r"|authori[sz]ation|cookie|dsn|credential|session[_-]?id)"
+)
+_SECRET_KEY = re.compile(_SECRET_WORD, re.IGNORECASE)
+# ``scheme://user:password@host``: the password goes, the user and host stay.
+_URL_PASSWORD = re.compile(r"(?P<head>\b[A-Za-z][A-Za-z0-9+.-]{0,30}://[^\s:/?#@]*):[^\s/?#]*@")
+# ``token=…``, ``password: …``, ``'api_key': '…'``, ``Authorization: Bearer …``.
+_INLINE = re.compile(
+    # The look-ahead and the possessive key keep this linear on long runs of word characters.
+    rf"(?<![\w-])(?=[\w-]*?{_SECRET_WORD})(?P<key>[\w-]++)(?P<sep>[\"']?\s*[:=]\s*)"
+    r"(?P<value>\"[^\"]*\"|'[^']*'|(?P<scheme>(?:bearer|basic|digest|token)\s+)?[^\s&;,\"'<>()\[\]{}]+)",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"\b(?P<word>bearer)\s+(?!\*\*\*)[A-Za-z0-9._~+/-]+=*", re.IGNORECASE)
+_EMAIL = re.compile(r"(?<![\w.%+-])[\w.%+-]+@(?P<domain>(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,})(?![\w-])")
+# Celery node names look like addresses (``worker1@host.example.com``); this host's are kept.
+_LOCAL_HOSTS = {socket.gethostname().lower()}
+_MAX_DEPTH = 8
+
+
+def _mask_inline(match: re.Match[str]) -> str:
+    value = match["value"]
+    if value[0] in "\"'":
+        masked = f"{value[0]}{MASK}{value[0]}"
+    else:
+        masked = f"{match['scheme']}{MASK}" if match["scheme"] else MASK
+    return f"{match['key']}{match['sep']}{masked}"
+
+
+def _mask_email(match: re.Match[str]) -> str:
+    domain = match["domain"]
+    return match[0] if domain.lower() in _LOCAL_HOSTS else f"{MASK}@{domain}"
+
+
+def is_secret_key(key: object) -> bool:
+    """Whether a mapping key names a secret (``password``, ``X-Api-Key``, ``dsn``, …)."""
+    return _SECRET_KEY.search(str(key)) is not None
+
+
+def redact_text(text: str) -> str:
+    """``text`` with URL passwords, ``key=secret`` pairs, bearer tokens and the local part
+    of e-mail addresses replaced by ``***``."""
+    text = _URL_PASSWORD.sub(rf"\g<head>:{MASK}@", text)
+    text = _INLINE.sub(_mask_inline, text)
+    text = _BEARER.sub(lambda m: f"{m['word']} {MASK}", text)
+    return _EMAIL.sub(_mask_email, text)
+
+
+def redact_value(value: Any, _depth: int = 0) -> Any:
+    """A copy of ``value`` safe to log: secret keys masked, strings scrubbed, at any depth.
+
+    Objects of other types become their (scrubbed) ``repr``, which is what both renderers
+    would print for them anyway, so a secret inside, say, a settings object is caught too.
+    """
+    if isinstance(value, str):
+        return redact_text(value)
+    if value is None or isinstance(value, bool | int | float):
+        return value
+    if _depth >= _MAX_DEPTH:
+        return redact_text(repr(value))
+    if isinstance(value, Mapping):
+        return {k: _redact_item(k, v, _depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        items = [redact_value(v, _depth + 1) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return redact_text(repr(value))
+
+
+def _redact_item(key: object, value: Any, depth: int) -> Any:
+    if value is not None and is_secret_key(key):
+        return MASK
+    return redact_value(value, depth)
+
+
+def redact(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """structlog processor: :func:`redact_value` over the event dict.
+
+    Keys starting with ``_`` (the formatter's own, e.g. the ``LogRecord``) and
+    ``exc_info``/``stack_info`` (left to the logging module when Conveyor's logging is
+    not configured) are passed through untouched.
+    """
+    return {
+        key: value
+        if key.startswith("_") or key in ("exc_info", "stack_info")
+        else _redact_item(key, value, 0)
+        for key, value in event_dict.items()
+    }
+
+
+def _shared_processors() -> list[Processor]:
+    """Run on structlog events at the call and on stdlib records in the formatter."""
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_logger_name,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.PositionalArgumentsFormatter(),
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        # Tracebacks become text before redaction, so secrets in them are scrubbed too.
+        structlog.processors.format_exc_info,
+    ]
+
+
+def _renderer(log_format: str, stream: TextIO | None) -> Processor:
+    if log_format == "json":
+        return structlog.processors.JSONRenderer()
+    isatty = getattr(stream, "isatty", None)
+    return structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))
+
+
+def configure_logging(
+    settings: ConveyorSettings,
+    *,
+    level: int | str | None = None,
+    stream: TextIO | None = None,
+    logfile: str | None = None,
+) -> logging.Handler:
+    """Send structlog and stdlib logging through one handler on the root logger.
+
+    The format is ``settings.log_format``; the level is ``level`` or else
+    ``settings.log_level``. Lines go to ``logfile`` if given, else to ``stream``
+    (default: standard error). Calling it again replaces the handler it installed
+    before; other handlers on the root logger are left alone. Returns the handler.
+    """
+    shared = _shared_processors()
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            *shared,
+            # Also here, so the event dict a record carries is clean for any other handler.
+            redact,
+            ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+    handler: logging.Handler
+    if logfile:
+        handler = WatchedFileHandler(logfile, encoding="utf-8")
+        out: TextIO | None = None
+    else:
+        out = stream if stream is not None else sys.stderr
+        handler = logging.StreamHandler(out)
+    handler.setFormatter(
+        ProcessorFormatter(
+            foreign_pre_chain=shared,
+            processors=[
+                ProcessorFormatter.remove_processors_meta,
+                redact,
+                _renderer(settings.log_format, out),
+            ],
+        )
+    )
+    handler.set_name(HANDLER_NAME)
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if h.get_name() == HANDLER_NAME]:
+        root.removeHandler(old)
+        old.close()
+    root.addHandler(handler)
+    chosen = settings.log_level if level is None else level
+    root.setLevel(chosen.upper() if isinstance(chosen, str) else chosen)
+    return handler
+
+
+# -- per-job context ---------------------------------------------------------------------
+
+
+def bind_job(job_id: str, stage: str, attempt: int, queue: str | None = None) -> JobTokens:
+    """Stamp every log line of this context (thread or task) with the job's fields.
+
+    Returns the tokens for :func:`unbind_job`, which restores what was bound before (a
+    stage run inline inside another job gives the outer job its fields back).
+    """
+    return structlog.contextvars.bind_contextvars(job_id=job_id, stage=stage, attempt=attempt, queue=queue)
+
+
+def unbind_job(tokens: JobTokens | None = None) -> None:
+    """Undo :func:`bind_job`: restore the previous fields with ``tokens``, or else drop them.
+
+    Tokens from another thread or context, or already used, are ignored: nothing of
+    theirs is bound here.
+    """
+    if tokens is None:
+        structlog.contextvars.unbind_contextvars(*JOB_KEYS)
+        return
+    with suppress(ValueError, RuntimeError):
+        structlog.contextvars.reset_contextvars(**tokens)
+
+
+@contextmanager
+def job_context(job_id: str, stage: str, attempt: int, queue: str | None = None) -> Iterator[None]:
+    """:func:`bind_job` for the duration of a ``with`` block."""
+    tokens = bind_job(job_id, stage, attempt, queue)
+    try:
+        yield
+    finally:
+        unbind_job(tokens)
+
+
+def _to_stdlib(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> dict[str, Any]:
+    """Last processor when Conveyor's logging is not configured: a plain stdlib call whose
+    message carries the bound fields, for whatever handlers the process has."""
+    exc_info = event_dict.pop("exc_info", None)
+    stack_info = bool(event_dict.pop("stack_info", False))
+    event = event_dict.pop("event", "")
+    fields = " ".join(f"{k}={v}" for k, v in event_dict.items())
+    return {
+        "msg": f"{event} [{fields}]" if fields else str(event),
+        "exc_info": exc_info,
+        "stack_info": stack_info,
+    }
+
+
+def job_logger(*, job_id: str, stage: str, attempt: int, queue: str | None = None) -> BoundLogger:
+    """A logger bound to one job: ``log.info("copied %s rows", n)`` or ``log.info("copied", rows=n)``.
+
+    The fields are bound on the logger itself as well as in the context, so lines logged
+    from threads a stage starts carry them too.
+    """
+    fields = {"job_id": job_id, "stage": stage, "attempt": attempt, "queue": queue}
+    if structlog.is_configured():
+        logger: BoundLogger = structlog.stdlib.get_logger(JOB_LOGGER)
+        return logger.bind(**fields)
+    # Not configured (e.g. a stage called inline in someone's script): go through their
+    # stdlib logging rather than structlog's default printer on stdout.
+    wrapped: BoundLogger = structlog.wrap_logger(
+        logging.getLogger(JOB_LOGGER),
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.contextvars.merge_contextvars,
+            structlog.stdlib.PositionalArgumentsFormatter(),
+            redact,
+            _to_stdlib,
+        ],
+        wrapper_class=BoundLogger,
+    )
+    return wrapped.bind(**fields)

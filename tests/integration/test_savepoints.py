@@ -1,0 +1,88 @@
+"""Publishing after commit, with savepoints in the caller's transaction (Django's nested
+``atomic()`` blocks are savepoints): a job survives a rolled-back savepoint it was not in,
+and is published at commit — not 'republish_after' later by the relay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session
+
+from conveyor.db import schema as s
+from tests.helpers import job_row
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Boom(Exception):
+    pass
+
+
+def _queue_len(platform: Any) -> int:
+    return int(platform.redis.llen("demo"))
+
+
+def _published_now(platform: Any, handle: Any) -> bool:
+    """A message for the job reached the broker (nobody consumes the queue in this module)."""
+    row = job_row(platform, handle.id)
+    return row is not None and row["published_at"] is not None
+
+
+def _assert_sent(platform: Any, before: int, handles: list[Any]) -> None:
+    assert _queue_len(platform) == before + len(handles)
+    for h in handles:
+        assert h.status() == s.QUEUED and _published_now(platform, h)
+
+
+def test_submit_before_a_rolled_back_savepoint_is_published_at_commit(platform: Any, tag: str) -> None:
+    before = _queue_len(platform)
+    with Session(platform.engine) as session:
+        kept = platform.submit("conveyor.demo.effect", {"note": tag}, session=session)
+        with pytest.raises(Boom), session.begin_nested():
+            dropped = platform.submit("conveyor.demo.effect", {"note": tag + "-x"}, session=session)
+            raise Boom
+        session.commit()
+    _assert_sent(platform, before, [kept])
+    assert job_row(platform, dropped.id) is None
+
+
+def test_submit_after_a_rolled_back_savepoint_is_published_at_commit(platform: Any, tag: str) -> None:
+    before = _queue_len(platform)
+    with Session(platform.engine) as session:
+        with pytest.raises(Boom), session.begin_nested():
+            dropped = platform.submit("conveyor.demo.effect", {"note": tag + "-x"}, session=session)
+            raise Boom
+        kept = platform.submit("conveyor.demo.effect", {"note": tag}, session=session)
+        session.commit()
+    _assert_sent(platform, before, [kept])
+    assert job_row(platform, dropped.id) is None
+
+
+def test_nested_savepoints_keep_what_was_released(platform: Any, tag: str) -> None:
+    before = _queue_len(platform)
+    with Session(platform.engine) as session:
+        outer = platform.submit("conveyor.demo.effect", {"note": tag + "-a"}, session=session)
+        with session.begin_nested():
+            released = platform.submit("conveyor.demo.effect", {"note": tag + "-b"}, session=session)
+            with pytest.raises(Boom), session.begin_nested():
+                inner = platform.submit("conveyor.demo.effect", {"note": tag + "-c"}, session=session)
+                raise Boom
+        with pytest.raises(Boom), session.begin_nested():
+            with session.begin_nested():
+                gone = platform.submit("conveyor.demo.effect", {"note": tag + "-d"}, session=session)
+            raise Boom
+        session.commit()
+    _assert_sent(platform, before, [outer, released])
+    assert job_row(platform, inner.id) is None and job_row(platform, gone.id) is None
+
+
+def test_whole_rollback_publishes_nothing(platform: Any, tag: str) -> None:
+    before = _queue_len(platform)
+    with Session(platform.engine) as session:
+        a = platform.submit("conveyor.demo.effect", {"note": tag}, session=session)
+        with session.begin_nested():
+            b = platform.submit("conveyor.demo.effect", {"note": tag + "-b"}, session=session)
+        session.rollback()
+    assert _queue_len(platform) == before
+    assert job_row(platform, a.id) is None and job_row(platform, b.id) is None
