@@ -13,6 +13,7 @@ from sqlalchemy.engine import RowMapping
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
+from conveyor.db.engine import reading
 from conveyor.db.schema import dead_letters, jobs
 from conveyor.errors import RetryRefused
 from conveyor.store import new_event
@@ -49,7 +50,7 @@ class DeadLetterQueue:
     ) -> DeadLetterPage:
         """Open entries, newest first, filtered by stage/queue/time; each carries the job label."""
         where = _filters(stage=stage, queue=queue, since=since, include_retried=include_retried)
-        with self.platform.engine.connect() as conn:
+        with reading(self.platform.engine) as conn:
             total = conn.execute(select(func.count()).select_from(dead_letters).where(where)).scalar_one()
             items = list(
                 conn.execute(
@@ -64,7 +65,7 @@ class DeadLetterQueue:
 
     def show(self, entry_id: int) -> RowMapping | None:
         """One entry, with its traceback and headers."""
-        with self.platform.engine.connect() as conn:
+        with reading(self.platform.engine) as conn:
             return (
                 conn.execute(select(dead_letters).where(dead_letters.c.id == entry_id))
                 .mappings()
@@ -161,7 +162,7 @@ class DeadLetterQueue:
             q = select(dead_letters.c.id).where(where, dead_letters.c.job_id.is_not(None))
             if last is not None:
                 q = q.where(dead_letters.c.id < last)
-            with self.platform.engine.connect() as conn:
+            with reading(self.platform.engine) as conn:
                 page = conn.execute(q.order_by(dead_letters.c.id.desc()).limit(200)).scalars()
                 ids = [int(i) for i in page]
             if not ids:

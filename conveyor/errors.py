@@ -103,6 +103,11 @@ class NotRunning(ConveyorError):
     """No services are configured and ``conveyor up`` is not running."""
 
 
+class DatabaseBusy(InfrastructureError):
+    """SQLite's single writer is held by another transaction longer than a caller that
+    must not queue behind it (a heartbeat, the relay) is willing to wait."""
+
+
 class RetryRefused(ConveyorError):
     """A DLQ retry that would run a second job for a dedup id another live job holds."""
 

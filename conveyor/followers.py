@@ -25,6 +25,7 @@ from sqlalchemy import Connection, exists, insert, select, update
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, is_sqlite
+from conveyor.db.engine import reading
 from conveyor.db.schema import dedup_followers, jobs
 from conveyor.errors import PermanentError
 from conveyor.store import NewJob, Row, new_event
@@ -78,7 +79,7 @@ class Followers:
     def resolve(self, holder: str) -> int:
         """Settle every follower of ``holder`` if the holder is terminal (or gone)."""
         p = self.platform
-        with p.engine.connect() as conn:
+        with reading(p.engine) as conn:
             row = p.store.get(conn, holder)
             if row is not None and row["status"] not in s.TERMINAL:
                 return 0

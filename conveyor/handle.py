@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from conveyor.db import schema as s
+from conveyor.db.engine import reading
 from conveyor.store import Row
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class JobHandle:
 
     def row(self) -> Row:
         """The job's current row."""
-        with self.platform.engine.connect() as conn:
+        with reading(self.platform.engine) as conn:
             row = self.platform.store.get(conn, self.id)
         if row is None:
             raise LookupError(f"job {self.id} not found")
@@ -54,7 +55,7 @@ class JobHandle:
         return str(self.row()["status"])
 
     def _status_or_none(self) -> str | None:
-        with self.platform.engine.connect() as conn:
+        with reading(self.platform.engine) as conn:
             row = self.platform.store.get(conn, self.id)
         return None if row is None else str(row["status"])
 
@@ -95,7 +96,7 @@ class JobHandle:
 
     def events(self, since: str | None = None) -> tuple[list[JobEvent], str | None]:
         """This job's events after cursor ``since``, and the next cursor."""
-        with self.platform.engine.connect() as conn:
+        with reading(self.platform.engine) as conn:
             rows, cursor = self.platform.store.events_since(conn, since, job_id=self.id)
         return [
             JobEvent(r["id"], r["job_id"], r["topic"], dict(r["body"]), str(r["position"])) for r in rows

@@ -22,7 +22,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from conveyor.errors import Cancelled, Preempted
+from conveyor.db.engine import brief_write
+from conveyor.errors import Cancelled, DatabaseBusy, Preempted
 from conveyor.leases import CANCEL, PREEMPT
 
 if TYPE_CHECKING:
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("conveyor.heartbeat")
 
 INTERRUPT_SIGNAL = signal.SIGUSR2
+# How long a heartbeat waits for SQLite's writer before skipping the beat (the thread also
+# delivers stop requests and interrupts: it must never queue behind a long transaction).
+BEAT_WAIT = 0.25
 
 
 class Heartbeat:
@@ -164,13 +168,24 @@ class Heartbeat:
 
     def _beat(self, ctx: JobContext) -> None:
         p = self.platform
-        with p.engine.begin() as conn:
+        try:
+            self._renew(ctx)
+        except DatabaseBusy:
+            # SQLite, and a long transaction (a stage body's) holds the single writer: skip
+            # this beat rather than queue behind it. Nobody can take the job over while the
+            # writer is held, and once it is free the relay's pass clock holds takeovers
+            # until heartbeats had a lease timeout to resume (conveyor.liveness).
+            log.debug("heartbeat of %s skipped: the SQLite writer is busy", ctx.job_id)
+        if ctx.slot is not None:
+            p.admission.renew(ctx.slot)
+
+    def _renew(self, ctx: JobContext) -> None:
+        p = self.platform
+        with brief_write(p.engine, BEAT_WAIT) as conn:
             if not p.store.heartbeat(conn, ctx.job_id, ctx.attempt):
                 ctx.lease_lost = True
             if ctx.held is not None and not p.leases.renew(conn, ctx.held, ctx.job_id):
                 ctx.lease_lost = True
-        if ctx.slot is not None:
-            p.admission.renew(ctx.slot)
 
 
 __all__ = ["INTERRUPT_SIGNAL", "Heartbeat"]

@@ -24,6 +24,7 @@ from sqlalchemy.engine import RowMapping
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, next_seq, upsert
+from conveyor.db.engine import reading
 from conveyor.db.schema import jobs, leases
 from conveyor.store import new_event
 
@@ -309,7 +310,7 @@ class Leases:
 
     def stop_requested_db(self, job_id: str, attempt: int) -> str | None:
         """The same question asked of Postgres (the truth, e.g. after a Redis wipe)."""
-        with self.platform.engine.connect() as conn:
+        with reading(self.platform.engine) as conn:
             row = conn.execute(
                 select(jobs.c.cancel_requested_at, jobs.c.preempt_requested_at).where(
                     jobs.c.id == job_id, jobs.c.attempts == attempt, jobs.c.status == s.RUNNING

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
-from sqlalchemy import ColumnElement, Connection, exists, select, true
+from sqlalchemy import ColumnElement, Connection, exists, or_, select, true
 
 from conveyor.db.dialect import db_now_ms, upsert
 from conveyor.db.schema import counters
@@ -53,14 +53,16 @@ def _put(conn: Connection, name: str, value: int) -> None:
 
 
 def takeovers_allowed(lease_timeout: float) -> ColumnElement[bool]:
-    """SQL: true unless the relay resumed less than a lease timeout ago (no relay ever
-    ran: true, there is nothing to go by)."""
-    recent = exists(
-        select(counters.c.name).where(
-            counters.c.name == RESUMED, counters.c.value > db_now_ms() - int(lease_timeout * 1000)
-        )
-    )
-    return ~recent if lease_timeout > 0 else true()
+    """SQL: true unless the relay resumed less than a lease timeout ago, or has not passed
+    for a lease timeout (the database, or SQLite's single writer, was unavailable: stale
+    heartbeats say nothing about their owners yet; a claim must not act on them before
+    the relay has noted the gap). No relay ever ran: true, there is nothing to go by."""
+    if lease_timeout <= 0:
+        return true()
+    horizon = db_now_ms() - int(lease_timeout * 1000)
+    recent = exists(select(counters.c.name).where(counters.c.name == RESUMED, counters.c.value > horizon))
+    stalled = exists(select(counters.c.name).where(counters.c.name == TICK, counters.c.value < horizon))
+    return ~or_(recent, stalled)
 
 
 @dataclass(frozen=True)

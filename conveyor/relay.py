@@ -7,8 +7,11 @@ lock makes sure only one process in the cluster does the work at a time.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -16,8 +19,9 @@ from sqlalchemy import and_, delete, exists, func, literal_column, or_, select, 
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
+from conveyor.db.engine import brief_write
 from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
-from conveyor.errors import WorkerLost
+from conveyor.errors import DatabaseBusy, WorkerLost
 from conveyor.events import sequence_events
 from conveyor.liveness import Orphan, note_tick, takeovers_allowed
 from conveyor.store import counted_attempts, new_event
@@ -31,6 +35,8 @@ RELAY_LOCK = 0x636F6E76  # "conv"
 BATCH = 500
 # Clocks of a worker host and of the database differ a little: widen the dying window.
 DYING_MARGIN = 2.0
+# How long a pass waits for SQLite's writer before skipping (Postgres: no limit).
+RELAY_WAIT = 0.5
 
 
 @dataclass
@@ -44,6 +50,7 @@ class TickReport:
     expired: int = 0
     purged: int = 0
     skipped_lock: bool = False
+    skipped_busy: bool = False  # SQLite's writer was held by a long transaction
 
 
 class Relay:
@@ -62,7 +69,18 @@ class Relay:
     # -- one pass -----------------------------------------------------------------------
 
     def tick(self, *, reconcile: bool = True) -> TickReport:
-        """One pass of the relay (and the reconciler); safe to call from anywhere."""
+        """One pass of the relay (and the reconciler); safe to call from anywhere.
+
+        On SQLite a pass never queues behind a long transaction (a stage body holding the
+        single writer): it is skipped (``skipped_busy``) and the next one tries again.
+        """
+        try:
+            return self._tick(reconcile=reconcile)
+        except DatabaseBusy:
+            log.debug("relay pass skipped: the SQLite writer is busy")
+            return TickReport(skipped_busy=True)
+
+    def _tick(self, *, reconcile: bool) -> TickReport:
         p = self.platform
         report = TickReport()
         self._burials = []
@@ -70,7 +88,7 @@ class Relay:
         # The pass clock first, in a transaction of its own: it measures whether the
         # *database* was reachable (leases are renewed there), so a Redis outage that fails
         # the rest of this pass must not read as a gap.
-        with p.engine.begin() as conn:
+        with brief_write(p.engine, RELAY_WAIT) as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
                 report.skipped_lock = True
                 return report
@@ -85,7 +103,7 @@ class Relay:
             log.warning("Redis unreachable: reconciling in the database only", exc_info=True)
             epoch = None
         orphans = p.deliveries.orphans() if reconcile and epoch is not None else {}
-        with p.engine.begin() as conn:
+        with brief_write(p.engine, RELAY_WAIT) as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
                 report.skipped_lock = True
                 return report
@@ -145,7 +163,7 @@ class Relay:
         lost = [
             *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
             *(self._unclaimed_too_long(conn, epoch) if reconcile else []),
-            *self._taken_by_dead_workers(conn, orphans, seen={r["id"] for r in due}),
+            *self._taken_by_dead_workers(conn, orphans, epoch=epoch, seen={r["id"] for r in due}),
         ]
         unique = {r["id"]: r for r in [*due, *lost]}  # one message per job per pass
         return [
@@ -156,40 +174,39 @@ class Relay:
 
     def _unclaimed_too_long(self, conn: Any, epoch: str) -> list[Any]:
         """Jobs published under this epoch more than ``republish_after`` ago and still not
-        claimed, *if their queue holds fewer messages than it has such jobs*.
+        claimed, *if their queue holds fewer messages than it has waiting jobs*.
 
         A long backlog is not a lost message: republishing every old job each period would
         multiply the backlog (and every copy costs a claim). A queue short of messages has
         lost some; the oldest waiting jobs get one more message each, up to the shortfall,
         so the broker never holds much more than one message per waiting job.
         """
-        p = self.platform
-        waiting = and_(
-            jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None), jobs.c.broker_epoch == epoch
-        )
-        old = jobs.c.published_at < db_now_plus(-p.settings.republish_after)
-        stale = dict(
-            conn.execute(select(jobs.c.queue, func.count()).where(waiting, old).group_by(jobs.c.queue)).all()
-        )
-        if not stale:
-            return []
-        totals = dict(
-            conn.execute(
-                select(jobs.c.queue, func.count())
-                .where(waiting, jobs.c.queue.in_(list(stale)))
-                .group_by(jobs.c.queue)
-            ).all()
-        )
-        messages = p.broker.message_counts(list(stale))
+        old = jobs.c.published_at < db_now_plus(-self.platform.settings.republish_after)
+        waiting = _waiting_under(epoch)
+        stale = [str(q) for q in conn.execute(select(jobs.c.queue).where(waiting, old).distinct()).scalars()]
         rows: list[Any] = []
-        for queue, n_stale in stale.items():
-            short = min(int(n_stale), int(totals.get(queue, 0)) - messages.get(queue, 0), BATCH)
-            if short > 0:
-                q = select(jobs).where(waiting, old, jobs.c.queue == queue)
-                rows += conn.execute(q.order_by(jobs.c.published_at).limit(short)).mappings()
+        for queue, short in self._shortfall(conn, epoch, stale).items():
+            q = select(jobs).where(waiting, old, jobs.c.queue == queue)
+            rows += conn.execute(q.order_by(jobs.c.published_at).limit(short)).mappings()
         return rows
 
-    def _taken_by_dead_workers(self, conn: Any, orphans: dict[str, Orphan], *, seen: set[str]) -> list[Any]:
+    def _shortfall(self, conn: Any, epoch: str, queues: list[str]) -> dict[str, int]:
+        """Per queue: how many more jobs wait (published under ``epoch``, unclaimed) than
+        the broker holds messages; only queues that are short, capped at a batch."""
+        if not queues:
+            return {}
+        counts = conn.execute(
+            select(jobs.c.queue, func.count())
+            .where(_waiting_under(epoch), jobs.c.queue.in_(queues))
+            .group_by(jobs.c.queue)
+        ).all()
+        messages = self.platform.broker.message_counts(queues)
+        short = {str(q): min(int(n) - messages.get(str(q), 0), BATCH) for q, n in counts}
+        return {q: n for q, n in short.items() if n > 0}
+
+    def _taken_by_dead_workers(
+        self, conn: Any, orphans: dict[str, Orphan], *, epoch: str, seen: set[str]
+    ) -> list[Any]:
         """Jobs whose message a dead worker may have taken and never claimed, still queued
         and published, marked for publish again at once:
 
@@ -198,7 +215,8 @@ class Relay:
         * the ones published while it was dying: a SIGKILLed process's sockets stay open
           for a moment, and Redis answers its pending BRPOP with the next message pushed,
           which then vanishes with it before anything is recorded. Copied once per dead
-          worker, only for that window.
+          worker, only for that window, and only as many per queue as the queue is short
+          of messages (a backlog published in the window is still in the queue).
         """
         if not orphans:
             return []
@@ -206,11 +224,18 @@ class Relay:
         ids = sorted({j for o in orphans.values() for j in o.delivered} - seen)
         rows = list(conn.execute(select(jobs).where(jobs.c.id.in_(ids), published)).mappings()) if ids else []
         beat = self.platform.deliveries.beat_interval
+        in_window: dict[str, Any] = {}
         for orphan in orphans.values():
             start = dt.datetime.fromtimestamp(orphan.last_beat - DYING_MARGIN, dt.UTC)
             end = dt.datetime.fromtimestamp(orphan.last_beat + beat + DYING_MARGIN, dt.UTC)
             window = and_(published, jobs.c.published_at >= start, jobs.c.published_at <= end)
-            rows += conn.execute(select(jobs).where(window).limit(BATCH)).mappings()
+            q = select(jobs).where(window).order_by(jobs.c.published_at).limit(BATCH)
+            in_window.update({r["id"]: r for r in conn.execute(q).mappings()})
+        short = self._shortfall(conn, epoch, sorted({str(r["queue"]) for r in in_window.values()}))
+        for row in in_window.values():
+            if short.get(row["queue"], 0) > 0:
+                short[row["queue"]] -= 1
+                rows.append(row)
         unique = {r["id"]: r for r in rows if r["id"] not in seen}
         if unique:
             log.info("republishing %d job(s) of dead worker(s) %s", len(unique), ", ".join(orphans))
@@ -427,18 +452,36 @@ class Relay:
             self._thread = None
 
     def _loop(self) -> None:
-        import time
-
         settings = self.platform.settings
         while not self._stop.wait(settings.relay_interval):
             now = time.monotonic()
             reconcile = now - self._last_reconcile >= settings.reconciler_interval
+            outcome = "failed"
             try:
-                self.tick(reconcile=reconcile)
-                if reconcile:
+                report = self.tick(reconcile=reconcile)
+                outcome = "busy" if report.skipped_busy else "ok"
+                if reconcile and not report.skipped_busy:
                     self._last_reconcile = now
             except Exception:  # an outage must not kill the thread; the next pass retries
                 log.warning("relay pass failed", exc_info=True)
+            self._note_pass(outcome)
+
+    def _note_pass(self, outcome: str) -> None:
+        """Record in Redis that this relay thread made a pass (monitoring: it is alive
+        and not stuck behind a lock), whether the pass did its work or not."""
+        p = self.platform
+        try:
+            value = json.dumps({"at": time.time(), "outcome": outcome, "pid": os.getpid()})
+            p.redis.set(f"{p.settings.key_prefix}relay:pass", value, ex=300)
+        except Exception:  # Redis down: nothing to record it in
+            log.debug("could not record the relay pass", exc_info=True)
+
+
+def _waiting_under(epoch: str) -> Any:
+    """Jobs waiting to be claimed whose message was published under ``epoch``."""
+    return and_(
+        jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None), jobs.c.broker_epoch == epoch
+    )
 
 
 def _text(value: Any) -> str:

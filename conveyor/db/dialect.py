@@ -25,6 +25,8 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from conveyor.errors import DatabaseBusy
+
 UTC = dt.UTC
 
 
@@ -118,6 +120,13 @@ def is_sqlite(bind: Engine | Connection) -> bool:
     return bind.dialect.name == "sqlite"
 
 
+# Execution options read at BEGIN (SQLite; Postgres ignores them): a read-only transaction
+# takes no write lock; a write that must not queue behind a long transaction waits at most
+# this many seconds for the writer, then raises DatabaseBusy.
+READ_ONLY = "conveyor_read_only"
+WRITE_WAIT = "conveyor_write_wait"
+
+
 def configure_engine(engine: Engine) -> None:
     """Per-dialect connection setup: SQLite gets WAL, a busy timeout and ``BEGIN IMMEDIATE``.
 
@@ -141,10 +150,24 @@ def configure_engine(engine: Engine) -> None:
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         dbapi_conn = conn.connection.dbapi_connection
+        options = conn.get_execution_options()
+        if options.get(READ_ONLY):
+            # WAL readers never wait for the writer (a stage body may hold it for long).
+            conn.exec_driver_sql("BEGIN")
+            return
+        wait = options.get(WRITE_WAIT)
         # Threads of one process queue on a lock instead of SQLite's sleeping busy handler.
-        writer_lock.acquire()
+        if not writer_lock.acquire(timeout=-1 if wait is None else float(wait)):
+            raise DatabaseBusy("the SQLite writer is busy (a transaction holds it)")
         try:
+            if wait is not None:
+                conn.exec_driver_sql(f"PRAGMA busy_timeout={max(1, int(float(wait) * 1000))}")
             conn.exec_driver_sql("BEGIN IMMEDIATE")
+        except Exception as exc:
+            writer_lock.release()
+            if wait is not None and "locked" in str(exc):
+                raise DatabaseBusy("the SQLite writer is busy (another process holds it)") from exc
+            raise
         except BaseException:
             writer_lock.release()
             raise

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine
 from sqlalchemy.pool import NullPool
 
-from conveyor.db.dialect import LockingConnection, configure_engine
+from conveyor.db.dialect import READ_ONLY, WRITE_WAIT, LockingConnection, configure_engine
 
 
 def normalize_url(url: str) -> str:
@@ -45,3 +46,16 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
         )
     configure_engine(engine)
     return engine
+
+
+def reading(engine: Engine) -> Connection:
+    """A connection for reads only. On SQLite it neither takes nor waits for the single
+    writer, so a stage body holding it for long never stalls status reads or stop polls."""
+    return engine.connect().execution_options(**{READ_ONLY: True})
+
+
+def brief_write(engine: Engine, wait: float) -> AbstractContextManager[Connection]:
+    """A write transaction for a caller that must not queue behind a long one (heartbeats,
+    the relay): on SQLite it waits at most ``wait`` seconds for the writer, then raises
+    :class:`~conveyor.errors.DatabaseBusy`. On Postgres, an ordinary transaction."""
+    return engine.execution_options(**{WRITE_WAIT: wait}).begin()

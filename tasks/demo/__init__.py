@@ -47,6 +47,7 @@ class Effect(BaseModel):
     crash_until_attempt: int = 0
     kill_worker_after_commit: bool = False
     ignore_soft_limit: bool = False
+    write_first: bool = False  # write the effect row before sleeping (holds SQLite's writer)
 
 
 class Keyed(Effect):
@@ -107,6 +108,8 @@ def effect(ctx: JobContext, p: Effect) -> dict[str, Any]:
         r.blpop([f"{p.barrier}:go"], timeout=p.barrier_timeout)
     if ctx.attempt <= p.crash_until_attempt:
         os.kill(os.getpid(), signal.SIGKILL)
+    if p.write_first:
+        record_effect(ctx.connection, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=p.note)
     deadline = time.monotonic() + p.sleep
     while time.monotonic() < deadline:
         try:
@@ -114,7 +117,8 @@ def effect(ctx: JobContext, p: Effect) -> dict[str, Any]:
         except SoftTimeLimitExceeded:
             if not p.ignore_soft_limit:
                 raise
-    record_effect(ctx.connection, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=p.note)
+    if not p.write_first:
+        record_effect(ctx.connection, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=p.note)
     if p.kill_worker_after_commit:
         _kill_after_commit_of.add(ctx.job_id)
     return {"job_id": ctx.job_id}

@@ -114,3 +114,15 @@ def test_an_owner_in_another_pid_namespace_of_the_same_host_is_never_judged_by_p
     job_id = _running(platform, lease_owner=f"{socket.gethostname()}:{gone.pid}")
     assert _claim(platform, job_id).outcome is ClaimOutcome.LIVE_LEASE
     assert _row(platform, job_id)["attempts"] == 1
+
+
+def test_no_claim_takes_over_before_the_relay_noticed_a_stall(platform: Any) -> None:
+    """The relay has not passed for a lease timeout (the database, or SQLite's single
+    writer, was held), and no pass has noted it yet: heartbeats were stale for the same
+    reason, so a redelivered copy must not take the job over either."""
+    job_id = _running(platform, heartbeat_at=db_now_plus(-3600), lease_owner="otherhost:1")
+    with platform.engine.begin() as conn:
+        conn.execute(update(s.counters).where(s.counters.c.name == "relay_resumed_ms").values(value=0))
+        conn.execute(update(s.counters).where(s.counters.c.name == "relay_tick_ms").values(value=0))
+    assert _claim(platform, job_id).outcome is ClaimOutcome.LIVE_LEASE
+    assert _row(platform, job_id)["attempts"] == 1

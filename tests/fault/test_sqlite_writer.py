@@ -1,0 +1,79 @@
+"""SQLite has one writer. A stage body that writes early through ``ctx.connection`` holds it
+until its completion commits; meanwhile readers, heartbeat threads and the relay must not
+queue behind it, and nothing may be taken over because of beats that could not be written.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from config.migrations import upgrade
+from conveyor.db import schema as s
+from conveyor.db.engine import make_engine, sqlite_url
+from tests.fault.conftest import Spawn
+from tests.helpers import effect_count, eventually
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.sqlite]
+
+HOLD = 8.0  # seconds the long body holds the writer
+
+
+@pytest.fixture
+def on_sqlite(platform: Any, tmp_path: Path) -> Iterator[Any]:
+    """The test platform pointed at a fresh SQLite file (same Redis), then back."""
+    url = sqlite_url(tmp_path)
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    redis_url, database_url = platform.settings.redis_url, platform.settings.database_url
+    platform.bind(redis_url=redis_url, database_url=url)
+    try:
+        yield platform
+    finally:
+        platform.bind(redis_url=redis_url, database_url=database_url)
+
+
+def _relay_pass(platform: Any) -> dict[str, Any] | None:
+    raw = platform.redis.get(f"{platform.settings.key_prefix}relay:pass")
+    return json.loads(raw) if raw else None
+
+
+def test_a_long_body_write_blocks_no_reader_heartbeat_or_relay(
+    on_sqlite: Any, spawn: Spawn, tag: str
+) -> None:
+    platform = on_sqlite
+    spawn(concurrency=2, settings=platform.settings)
+    other = platform.submit("conveyor.demo.effect", {"note": f"{tag}-other", "sleep": HOLD + 2})
+    eventually(lambda: other.status() == s.RUNNING, timeout=60)
+    payload = {"note": f"{tag}-long", "write_first": True, "sleep": HOLD}
+    long = platform.submit("conveyor.demo.effect", payload)
+    eventually(lambda: long.status() == s.RUNNING, timeout=60)
+    time.sleep(1.0)  # the body has written: it holds the writer from here on
+
+    slowest_read = 0.0
+    passes: list[dict[str, Any]] = []
+    deadline = time.monotonic() + HOLD - 3
+    while time.monotonic() < deadline:
+        started = time.monotonic()
+        assert long.status() == s.RUNNING
+        slowest_read = max(slowest_read, time.monotonic() - started)
+        seen = _relay_pass(platform)
+        if seen and (not passes or seen["at"] != passes[-1]["at"]):
+            passes.append(seen)
+        time.sleep(0.2)
+    assert slowest_read < 1.0, f"a status read waited {slowest_read:.1f}s for the writer"
+    assert len(passes) >= 3, f"the relay made {len(passes)} pass(es) while the writer was held"
+    assert any(p["outcome"] == "busy" for p in passes)
+
+    assert long.wait(60) == s.SUCCEEDED
+    assert other.wait(60) == s.SUCCEEDED
+    # Beats skipped while the writer was held took nobody over.
+    assert long.row()["attempts"] == 1 and other.row()["attempts"] == 1
+    assert effect_count(platform, note=f"{tag}-long") == 1
+    assert effect_count(platform, note=f"{tag}-other") == 1
