@@ -33,6 +33,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    delete,
     insert,
     select,
     text,
@@ -41,7 +42,7 @@ from sqlalchemy import (
 from conveyor.db.dialect import Timestamp, db_now
 from conveyor.db.engine import make_engine, sqlite_url
 from conveyor.db.migrate import alembic_config, upgrade
-from conveyor.db.schema import job_events
+from conveyor.db.schema import counters, job_events
 from conveyor.store import JobStore, new_event
 
 pytestmark = pytest.mark.timeout(120)
@@ -363,6 +364,23 @@ def test_cursor_resumes_after_the_event_it_names(platform: Any, tag: str) -> Non
         assert head[-1]["id"] == first["id"]
         rest, _ = store.events_since(conn, nxt)
         assert [r["body"]["i"] for r in rest if r["body"].get("tag") == tag] == [1, 2]
+
+
+def test_a_lost_sequence_counter_never_hands_out_a_number_again(platform: Any, tag: str) -> None:
+    """The counter row is only a cache of the highest number given: deleted (an operator
+    clearing counters, a restore), numbering resumes above every event already numbered."""
+    store: JobStore = platform.store
+    start = _tail_cursor(platform.engine, store)
+    with platform.engine.begin() as conn:
+        store.emit(conn, [new_event(None, "test.seq", {"tag": tag, "i": 0})])
+    with platform.engine.connect() as conn:
+        _, cursor = store.events_since(conn, start)
+    with platform.engine.begin() as conn:
+        conn.execute(delete(counters).where(counters.c.name == "event_seq"))
+        store.emit(conn, [new_event(None, "test.seq", {"tag": tag, "i": 1})])
+    with platform.engine.connect() as conn:
+        after, _ = store.events_since(conn, cursor)
+    assert [r["body"]["i"] for r in after if r["body"].get("tag") == tag] == [1]
 
 
 def test_old_txid_cursor_is_accepted(platform: Any, tag: str) -> None:

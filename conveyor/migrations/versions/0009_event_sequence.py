@@ -39,6 +39,10 @@ BEGIN
   END IF;
   PERFORM pg_advisory_xact_lock(1702261875);  -- 'evts'
   PERFORM set_config('synchronous_commit', 'on', true);
+  -- A missing counter (never created, or deleted) resumes above every number given out.
+  INSERT INTO conveyor_counters (name, value)
+    SELECT 'event_seq', coalesce(max(seq), 0) FROM job_events
+  ON CONFLICT (name) DO NOTHING;
   WITH pending AS (
     SELECT id, row_number() OVER (ORDER BY id) AS rn
       FROM job_events WHERE seq IS NULL ORDER BY id LIMIT p_limit
