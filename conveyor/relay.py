@@ -65,6 +65,7 @@ class Relay:
         self._interrupts: list[tuple[str, int, str]] = []
         self._burials: list[Burial] = []
         self._stuck: list[str] = []  # holders whose followers wait although they ended
+        self._last_unclaimed = float("-inf")
 
     # -- one pass -----------------------------------------------------------------------
 
@@ -162,7 +163,7 @@ class Relay:
         other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
         lost = [
             *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
-            *(self._unclaimed_too_long(conn, epoch) if reconcile else []),
+            *(self._unclaimed_too_long(conn, epoch) if reconcile and self._unclaimed_due() else []),
             *self._taken_by_dead_workers(conn, orphans, epoch=epoch, seen={r["id"] for r in due}),
         ]
         unique = {r["id"]: r for r in [*due, *lost]}  # one message per job per pass
@@ -189,6 +190,15 @@ class Relay:
             q = select(jobs).where(waiting, old, jobs.c.queue == queue)
             rows += conn.execute(q.order_by(jobs.c.published_at).limit(short)).mappings()
         return rows
+
+    def _unclaimed_due(self) -> bool:
+        """The unclaimed-too-long check counts a queue's whole backlog: run it four times
+        per ``republish_after`` (its resolution), not every reconciler pass."""
+        now = time.monotonic()
+        if now - self._last_unclaimed < self.platform.settings.republish_after / 4:
+            return False
+        self._last_unclaimed = now
+        return True
 
     def _shortfall(self, conn: Any, epoch: str, queues: list[str]) -> dict[str, int]:
         """Per queue: how many more jobs wait (published under ``epoch``, unclaimed) than
