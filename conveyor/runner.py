@@ -389,6 +389,13 @@ class Runner:
         self._record_skip(job["id"], ClaimOutcome.ALREADY_SUCCEEDED, task.request.id)
         req = task.request
         req.chain = req.callbacks = None  # already taken over at completion
+        if req.chord:
+            # Celery would count this copy in the chord under its own task id, and a copy
+            # republished with a fresh id would count twice (the body fires early). Count
+            # it under the delivery that succeeded instead: Celery dedupes that one, and
+            # if the worker died before counting it, this counts it now.
+            self.platform.count_in_chord(job, "SUCCESS", job["result"])
+            raise Ignore()
         return job["result"]
 
     # -- failure ------------------------------------------------------------------------
