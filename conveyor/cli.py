@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from conveyor.db.engine import reading
 from conveyor.errors import ConveyorError, NotRunning, RetryRefused
 from conveyor.settings import ConveyorSettings
 
@@ -355,7 +356,7 @@ def jobs_list(
             q = q.where(jobs.c.status == status)
         if stage:
             q = q.where(jobs.c.stage == stage)
-        with platform.engine.connect() as conn:
+        with reading(platform.engine) as conn:
             rows = list(conn.execute(q).mappings())
         table = Table("id", "stage", "label", "status", "attempts", "created")
         for r in rows:

@@ -31,7 +31,7 @@ from conveyor.db.engine import make_engine
 from conveyor.db.schema import jobs, leases
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterQueue
-from conveyor.errors import ConfigurationError, NotRunning, PayloadInvalid
+from conveyor.errors import ConfigurationError, NotRunning, PayloadInvalid, PayloadTooLarge
 from conveyor.followers import Followers, has_flow
 from conveyor.handle import JobHandle
 from conveyor.leases import CANCEL, PREEMPT, Leases, format_key
@@ -40,7 +40,14 @@ from conveyor.metrics import Metrics
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.runner import Runner
 from conveyor.settings import ConveyorSettings
-from conveyor.stage import StageSpec, StageTask, checked_payload, payload_from_call, to_jsonable
+from conveyor.stage import (
+    StageSpec,
+    StageTask,
+    checked_payload,
+    kept_if_small,
+    payload_from_call,
+    to_jsonable,
+)
 from conveyor.store import JobStore, NewJob, Row, new_event
 
 log = logging.getLogger("conveyor")
@@ -413,12 +420,14 @@ class Platform:
         if not sig.immutable:
             args = (result, *args)
         invalid: tuple[str, str] | None = None
+        raw: Any = {}
         try:
-            model = spec.validate(payload_from_call(args, dict(sig.kwargs or {})))
+            raw = payload_from_call(args, dict(sig.kwargs or {}))
+            model = spec.validate(raw)
             payload = self.payload_of(spec, model)
         except PayloadInvalid as exc:
             # The parent's success stands; this link is dead-lettered with the reason.
-            invalid, payload = (type(exc).__name__, str(exc)), {}
+            invalid, payload = (type(exc).__name__, str(exc)), kept_if_small(raw, exc)
         opts = dict(sig.options or {})
         task_id = opts.pop("task_id", None)
         job_id = task_id or str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:next:{parent['id']}:{sig.task}"))
@@ -490,7 +499,8 @@ class Platform:
         for new in created:
             plan: DedupPlan | None = new.plan
             if new.invalid is not None:
-                self._insert_dead(conn, new)
+                if self._insert_dead(conn, new):
+                    out.append(new)
                 continue
             if plan is None:
                 inserted = self.insert_job(conn, new, epoch=epoch)
@@ -519,11 +529,12 @@ class Platform:
                 out.append(new)
         return out
 
-    def _insert_dead(self, conn: Connection, new: NewJob) -> None:
-        """Store a job that can never run (its payload is invalid) straight into the DLQ."""
+    def _insert_dead(self, conn: Connection, new: NewJob) -> bool:
+        """Store a job that can never run (its payload is invalid) straight into the DLQ;
+        False if it existed already."""
         assert new.invalid is not None
         if not self.store.insert(conn, new)[1]:
-            return
+            return False
         row = self.store.get(conn, new.id)
         assert row is not None
         error_type, message = new.invalid
@@ -531,11 +542,18 @@ class Platform:
             conn, row, error_type=error_type, message=message, tb_text=None, from_status=(s.QUEUED,)
         )
         self.metrics.inc("dead", new.stage)
+        new.status = s.DEAD
+        return True
 
     def publish_continuations(self, created: Sequence[NewJob]) -> None:
         """After commit: publish new continuation jobs; rerun ones get a fresh task id."""
         for new in created:
-            if new.status == s.WAITING_DEDUP:
+            if new.status == s.DEAD:
+                assert new.invalid is not None
+                kind = PayloadTooLarge if new.invalid[0] == PayloadTooLarge.__name__ else PayloadInvalid
+                self.report_failure(new.id, new.options, kind(new.invalid[1]))
+                self.finished(new.id, s.DEAD)
+            elif new.status == s.WAITING_DEDUP:
                 assert new.follows is not None
                 self.followers.resolve(new.follows)  # the holder may have ended already
             elif new.rerun:
@@ -626,7 +644,20 @@ class Platform:
         self.publish_continuations(burial.continuation)
         if burial.chord_member:
             self.count_in_chord(row, burial.state, burial.result)
+        if burial.state == "FAILURE":
+            self.report_failure(row["origin_task_id"] or row["id"], row["options"] or {}, burial.result)
         self.finished(row["id"], s.DEAD, dedup_key=row["dedup_key"])
+
+    def report_failure(self, task_id: str, options: Mapping[str, Any], error: BaseException) -> None:
+        """Store a failure no worker reported (a burial, a link that could never run) in
+        the result backend, for the task and the rest of its chain, as Celery does for a
+        task that raised: ``AsyncResult.get()`` raises instead of waiting forever. Chord
+        counting is the caller's (``count_in_chord``)."""
+        request = Context(id=task_id, chain=options.get("chain"), root_id=options.get("root_id"))
+        try:
+            self.app.backend.mark_as_failure(task_id, error, request=request, call_errbacks=False)
+        except Exception:
+            log.warning("could not store the failure of task %s", task_id, exc_info=True)
 
     def count_in_chord(self, row: Row, state: str, result: Any) -> None:
         """Count a job that ended outside its own delivery (buried, or settled as a
@@ -708,7 +739,7 @@ class Platform:
         if session is None:
             after_commit()
         else:
-            _after_commit(session, after_commit)
+            _after_commit(session, after_commit, new.id)
         following = created and new.status == s.WAITING_DEDUP
         handle = JobHandle(
             self,
@@ -950,13 +981,13 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _after_commit(session: Session, fn: Callable[[], None]) -> None:
+def _after_commit(session: Session, fn: Callable[[], None], job_id: str) -> None:
     """Run ``fn`` once ``session``'s outermost transaction commits.
 
     Dropped if the transaction it was registered in rolls back, or any savepoint around
     it does; a savepoint rolled back *beside* it (before or after) leaves it alone.
     """
-    pending: list[tuple[Any, Callable[[], None]]] = session.info.setdefault(PENDING_KEY, [])
+    pending: list[tuple[Any, Callable[[], None], str]] = session.info.setdefault(PENDING_KEY, [])
     if not session.info.get(PENDING_KEY + "_hooked"):
         session.info[PENDING_KEY + "_hooked"] = True
 
@@ -965,18 +996,31 @@ def _after_commit(session: Session, fn: Callable[[], None]) -> None:
                 return  # a savepoint was released: its work commits (or not) with the outer one
             todo = sess.info.get(PENDING_KEY) or []
             sess.info[PENDING_KEY] = []
-            for _, f in todo:
+            bind = sess.bind
+            if isinstance(bind, Connection) and bind.in_transaction():
+                # The session joined a transaction it does not own (a test fixture's, a
+                # framework's): its commit only released a savepoint, and Core has no
+                # after-commit hook. Leave the jobs to the relay, inside that transaction:
+                # published within a relay interval if it commits, never if it rolls back.
+                ids = [job_id for _, _, job_id in todo]
+                bind.execute(
+                    update(jobs)
+                    .where(jobs.c.id.in_(ids), jobs.c.status == s.QUEUED)
+                    .values(published_at=None, broker_epoch=None)
+                )
+                return
+            for _, f, _ in todo:
                 f()
 
         def on_rollback(sess: Session, ended: Any) -> None:
             sess.info[PENDING_KEY] = [
-                (tx, f) for tx, f in sess.info.get(PENDING_KEY) or [] if not _within(tx, ended)
+                entry for entry in sess.info.get(PENDING_KEY) or [] if not _within(entry[0], ended)
             ]
 
         sa_event.listen(session, "after_commit", on_commit)
         sa_event.listen(session, "after_soft_rollback", on_rollback)
     current = session.get_nested_transaction() or session.get_transaction()
-    pending.append((current, fn))
+    pending.append((current, fn, job_id))
 
 
 def _within(tx: Any, ancestor: Any) -> bool:

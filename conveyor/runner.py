@@ -30,10 +30,11 @@ from conveyor.errors import (
     is_permanent,
     is_stopped_by_worker,
 )
+from conveyor.followers import has_flow
 from conveyor.heartbeat import Heartbeat
 from conveyor.leases import PREEMPT, Held, format_key
 from conveyor.runfile import owner_id
-from conveyor.stage import StageSpec, StageTask, payload_from_call, to_jsonable
+from conveyor.stage import StageSpec, StageTask, kept_if_small, payload_from_call, to_jsonable
 from conveyor.store import Claim, ClaimOutcome, NewJob, Row, counted_attempts, format_traceback, new_event
 
 if TYPE_CHECKING:
@@ -582,11 +583,17 @@ class Runner:
             origin_task_id=req.id,
             options={k: v for k, v in options.items() if v is not None},
         )
+        # A deduplicated message that carries a flow (chain, callbacks, chord) follows the
+        # holder, so what hangs off it runs with the holder's result.
+        new.follow = has_flow(new.options)
         store = self.platform.store
+        raw: Any = {}
         try:
-            payload = spec.validate(payload_from_call(args, kwargs))
+            raw = payload_from_call(args, kwargs)
+            payload = spec.validate(raw)
             data = self.platform.payload_of(spec, payload)
         except PayloadInvalid as exc:
+            new.payload = kept_if_small(raw, exc)
             _, created = store.insert(conn, new)
             if created:
                 store.emit(conn, [new_event(new.id, "job.adopted", {"stage": spec.name})])

@@ -80,6 +80,18 @@ def checked_payload(stage: str, model: BaseModel, limit: int) -> dict[str, Any]:
     return data
 
 
+def kept_if_small(data: Any, exc: PayloadInvalid) -> dict[str, Any]:
+    """What to store of a payload that failed validation: the payload itself, so a DLQ
+    retry after the stage's schema is fixed can run it, unless it was refused for its size
+    (or is not a mapping), then nothing."""
+    if isinstance(exc, PayloadTooLarge) or not isinstance(data, Mapping):
+        return {}
+    try:
+        return dict(json.loads(json.dumps(dict(data), default=str)))
+    except (TypeError, ValueError):
+        return {}
+
+
 def readable_validation_error(stage: str, exc: ValidationError) -> str:
     """One line per problem, naming the field, without echoing the submitted values."""
     parts = []

@@ -26,6 +26,7 @@ from conveyor.db.dialect import (
 )
 from conveyor.db.schema import Row, dead_letters, job_events, jobs, new_event
 from conveyor.events import EventCursor, event_position, resolve_cursor, sequence_events
+from conveyor.logs import redact_text
 
 __all__ = [
     "Claim",
@@ -310,7 +311,12 @@ class JobStore(Claims):
         attempt: int | None = None,
         from_status: Iterable[str] = (s.RUNNING,),
     ) -> bool:
-        """CAS the job to ``dead`` and write its DLQ entry, in ``conn``'s transaction."""
+        """CAS the job to ``dead`` and write its DLQ entry, in ``conn``'s transaction.
+
+        The message and traceback are scrubbed of secrets as logs are (``conveyor.logs``):
+        people read them in the CLI, the console and the API."""
+        message = redact_text(message)
+        tb_text = redact_text(tb_text) if tb_text else tb_text
         ok = self.finish(
             conn,
             job,
@@ -418,7 +424,7 @@ def _insert_ignore(conn: Connection, values: dict[str, Any], index: list[str] | 
 
 def _message(error: BaseException) -> str:
     text = str(error).strip() or type(error).__name__
-    return text[:2000]
+    return redact_text(text[:2000])
 
 
 def format_traceback(error: BaseException) -> str:

@@ -12,14 +12,14 @@ import time
 from typing import Any
 
 import pytest
-from celery import chain, chord
+from celery import chain, chord, signature
 from celery.beat import ScheduleEntry, Scheduler
 from sqlalchemy import select, update
 
 import tasks.demo as demo
 from conveyor.db import schema as s
 from conveyor.db.schema import dead_letters, job_events, jobs
-from conveyor.errors import RetryRefused
+from conveyor.errors import PermanentError, RetryRefused
 from tests.helpers import dead_letter_for, effect_count, eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,6 +116,8 @@ def test_follower_of_a_dead_holder_is_dead_lettered_naming_it(platform: Any, wor
     eventually(lambda: job_row(platform, follower_id)["status"] == s.DEAD, timeout=15)
     letter = dead_letter_for(platform, follower_id)
     assert holder.id in letter["message"] and "bad input" in letter["message"]
+    with pytest.raises(PermanentError, match=holder.id):
+        result.get(timeout=10)  # the chain's caller hears of it instead of waiting forever
 
 
 def test_follower_of_a_cancelled_holder_runs_itself(platform: Any, worker: Any, tag: str) -> None:
@@ -159,7 +161,8 @@ def _dead(platform: Any, handle: Any) -> int:
 
 
 def test_dlq_retry_is_refused_while_another_job_holds_the_dedup_id(platform: Any, tag: str) -> None:
-    j1 = platform.submit("conveyor.demo.keyed", {"user": tag, "note": "1"}, delay=3600)
+    # j1 sleeps when it runs again: it must still hold the id when "again" is submitted.
+    j1 = platform.submit("conveyor.demo.keyed", {"user": tag, "note": "1", "sleep": 5}, delay=3600)
     entry = _dead(platform, j1)
     j2 = platform.submit("conveyor.demo.keyed", {"user": tag, "note": "2"}, delay=3600)
     assert not j2.deduplicated
@@ -172,11 +175,11 @@ def test_dlq_retry_is_refused_while_another_job_holds_the_dedup_id(platform: Any
     assert open_entry is None  # still open: retry it once j2 is done
     platform.cancel(j2.id)
     assert platform.dlq.retry(entry) == j1.id
-    assert j1.status() == s.QUEUED
+    assert j1.status() in (s.QUEUED, s.RUNNING)
     # j1 holds the dedup id again: a new submit returns it.
     again = platform.submit("conveyor.demo.keyed", {"user": tag, "note": "3"}, delay=3600)
     assert again.deduplicated and again.id == j1.id
-    platform.cancel(j1.id)
+    assert j1.wait(30) == s.SUCCEEDED
 
 
 def test_dlq_retry_all_pages_past_garbage(platform: Any, tag: str) -> None:
@@ -197,3 +200,31 @@ def test_dlq_retry_all_pages_past_garbage(platform: Any, tag: str) -> None:
     retried = platform.dlq.retry_all(stage=stage, since=since)
     assert job.id in retried
     assert dead_letter_for(platform, job.id)["retried_at"] is not None
+
+
+def test_plain_celery_message_with_a_chain_follows_the_holder(platform: Any, worker: Any, tag: str) -> None:
+    """``send_task`` by name (adopted at claim) carrying a chain: deduplicated, it follows
+    the holder and the chain runs with the holder's result (it used to vanish)."""
+    holder = _holder(platform, tag, f"{tag}-holder")
+    tail_note = f"{tag}-tail"
+    tail = signature("conveyor.demo.effect", kwargs={"note": tail_note}, options={"queue": "demo"})
+    platform.app.send_task(
+        "conveyor.demo.keyed", kwargs={"user": tag, "note": f"{tag}-sent"}, queue="demo", chain=[tail]
+    )
+    follower = eventually(lambda: [r for r in _jobs_of_stage_for(platform, tag) if r["id"] != holder.id])[0]
+    assert follower["status"] == s.WAITING_DEDUP
+    assert holder.wait(30) == s.SUCCEEDED
+    eventually(lambda: effect_count(platform, note=tail_note) == 1, timeout=30)
+    assert job_row(platform, follower["id"])["status"] == s.SUCCEEDED
+    assert effect_count(platform, note=f"{tag}-sent") == 0
+
+
+def test_invalid_plain_celery_payload_is_kept_for_a_retry_after_a_fix(platform: Any, worker: Any) -> None:
+    result = platform.app.send_task("conveyor.demo.square", kwargs={"n": "not a number"}, queue="demo")
+
+    def adopted() -> Any:
+        with platform.engine.connect() as conn:
+            return conn.execute(select(jobs).where(jobs.c.origin_task_id == result.id)).mappings().first()
+
+    row = eventually(lambda: (r := adopted()) is not None and r["status"] == s.DEAD and r, timeout=30)
+    assert row["payload"] == {"n": "not a number"}

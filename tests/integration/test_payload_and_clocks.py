@@ -63,6 +63,8 @@ def test_oversized_next_link_is_dead_lettered_and_the_parent_succeeds(platform: 
     assert letter["error_type"] == "PayloadTooLarge"
     assert f"limit of {LIMIT} bytes" in letter["message"] and "conveyor.demo.pad" in letter["message"]
     assert parent.status() == s.SUCCEEDED
+    with pytest.raises(PayloadTooLarge, match=f"limit of {LIMIT} bytes"):
+        flow.get(timeout=10)  # a Celery caller hears of it, as of a task that raised
 
 
 def test_absolute_times_are_stored_as_given(platform: Any) -> None:

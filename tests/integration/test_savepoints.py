@@ -86,3 +86,30 @@ def test_whole_rollback_publishes_nothing(platform: Any, tag: str) -> None:
         session.rollback()
     assert _queue_len(platform) == before
     assert job_row(platform, a.id) is None and job_row(platform, b.id) is None
+
+
+def test_session_joined_to_an_outer_transaction_publishes_when_that_commits(platform: Any, tag: str) -> None:
+    """A session bound to a connection whose transaction someone else owns (a test
+    fixture's, a framework's): its commit is only a savepoint release. The job is published
+    when the outer transaction commits (by the relay, within its interval), never before,
+    and never if the outer transaction rolls back."""
+    from conveyor.relay import Relay
+
+    before = _queue_len(platform)
+    with platform.engine.connect() as conn:
+        outer = conn.begin()
+        session = Session(bind=conn, join_transaction_mode="create_savepoint")
+        kept = platform.submit("conveyor.demo.effect", {"note": tag}, session=session)
+        session.commit()
+        assert _queue_len(platform) == before  # nothing published at the savepoint release
+        outer.commit()
+    with platform.engine.connect() as conn:
+        outer = conn.begin()
+        session = Session(bind=conn, join_transaction_mode="create_savepoint")
+        gone = platform.submit("conveyor.demo.effect", {"note": tag + "-x"}, session=session)
+        session.commit()
+        outer.rollback()
+    Relay(platform).tick(reconcile=False)  # publishes every due job, not only this test's
+    queued = b"".join(platform.redis.lrange("demo", 0, -1))
+    assert kept.id.encode() in queued and _published_now(platform, kept)
+    assert job_row(platform, gone.id) is None

@@ -1,0 +1,31 @@
+"""Error messages are stored (DLQ, ``last_error``, events) scrubbed of secrets, as logs are:
+people read them in the CLI and the console."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conveyor.db import schema as s
+from tests.helpers import dead_letter_for
+
+
+def test_dead_letter_message_and_traceback_are_scrubbed(platform: Any, tag: str) -> None:
+    handle = platform.submit("conveyor.demo.noop", {"n": 1}, delay=3600)
+    secret = "hunter2-" + tag
+    message = f"login failed: password={secret} for postgresql://app:{secret}@db/x, mail bob@example.com"
+    with platform.engine.begin() as conn:
+        row = platform.store.get(conn, handle.id)
+        assert platform.store.dead_letter(
+            conn,
+            row,
+            error_type="PermanentError",
+            message=message,
+            tb_text=f"Traceback ...\nValueError: token={secret}",
+            from_status=(s.QUEUED,),
+        )
+    letter = dead_letter_for(platform, handle.id)
+    stored = [letter["message"], letter["traceback"], handle.row()["last_error"]]
+    stored += [str(e.body) for e in handle.events()[0]]
+    for text in stored:
+        assert secret not in text and "bob@" not in text
+    assert "login failed" in letter["message"] and "@example.com" in letter["message"]
