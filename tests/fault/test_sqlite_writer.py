@@ -6,6 +6,8 @@ queue behind it, and nothing may be taken over because of beats that could not b
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 from config.migrations import upgrade
 from conveyor.db import schema as s
 from conveyor.db.engine import make_engine, sqlite_url
+from conveyor.procs import service_env
 from tests.fault.conftest import Spawn
 from tests.helpers import effect_count, eventually
 
@@ -55,6 +58,13 @@ def test_a_long_body_write_blocks_no_reader_heartbeat_or_relay(
     long = platform.submit("conveyor.demo.effect", payload)
     eventually(lambda: long.status() == s.RUNNING, timeout=60)
     time.sleep(1.0)  # the body has written: it holds the writer from here on
+    cli_started = time.monotonic()
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "conveyor", "jobs", "list", "--limit", "2"],
+        env=service_env(platform.settings),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
     slowest_read = 0.0
     passes: list[dict[str, Any]] = []
@@ -67,6 +77,10 @@ def test_a_long_body_write_blocks_no_reader_heartbeat_or_relay(
         if seen and (not passes or seen["at"] != passes[-1]["at"]):
             passes.append(seen)
         time.sleep(0.2)
+    out, _ = cli.communicate(timeout=60)
+    cli_took = time.monotonic() - cli_started
+    assert cli.returncode == 0, out.decode()[-2000:]
+    assert cli_took < HOLD - 2, f"`conveyor jobs list` waited {cli_took:.1f}s for the writer"
     assert slowest_read < 1.0, f"a status read waited {slowest_read:.1f}s for the writer"
     assert len(passes) >= 3, f"the relay made {len(passes)} pass(es) while the writer was held"
     assert any(p["outcome"] == "busy" for p in passes)
