@@ -166,7 +166,7 @@ def _assert_exactly_once(seen: list[dict[str, Any]], expected_ids: set[int]) -> 
 @pytest.mark.parametrize(
     "hold",
     [
-        15.0,
+        8.0,
         pytest.param(
             60.0,
             marks=pytest.mark.skipif(not LONG_TX, reason="the 60 s scenario: set CONVEYOR_LONG_TX_TESTS=1"),
