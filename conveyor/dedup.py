@@ -348,17 +348,8 @@ class Deduplicator:
         status = conn.execute(select(jobs.c.status).where(jobs.c.id == holder)).scalar_one_or_none()
         if status is not None and status not in s.TERMINAL:
             return holder
-        held = row["expires_ms"] - row["first_ms"] if row["expires_ms"] is not None else None
-        conn.execute(
-            update(dedup_keys)
-            .where(dedup_keys.c.scope == scope, dedup_keys.c.key == key, dedup_keys.c.job_id == holder)
-            .values(
-                job_id=job_id,
-                first_ms=now_ms,
-                updated_ms=now_ms,
-                expires_ms=None if held is None else now_ms + held,
-            )
-        )
+        held = (row["expires_ms"] - row["first_ms"]) / 1000 if row["expires_ms"] is not None else None
+        self.steal(conn, scope=scope, key=key, old=holder, new=job_id, mode=row["mode"], now=now, ttl=held)
         return None
 
     def debounce(

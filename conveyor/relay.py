@@ -159,7 +159,7 @@ class Relay:
             .all()
         )
         # A wiped broker: everything published under another epoch, exactly once per epoch.
-        published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
+        published = _published_waiting()
         other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
         lost = [
             *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
@@ -230,7 +230,7 @@ class Relay:
         """
         if not orphans:
             return []
-        published = and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
+        published = _published_waiting()
         ids = sorted({j for o in orphans.values() for j in o.delivered} - seen)
         rows = list(conn.execute(select(jobs).where(jobs.c.id.in_(ids), published)).mappings()) if ids else []
         beat = self.platform.deliveries.beat_interval
@@ -487,11 +487,14 @@ class Relay:
             log.debug("could not record the relay pass", exc_info=True)
 
 
+def _published_waiting() -> Any:
+    """Jobs waiting to be claimed whose message was published (under any epoch)."""
+    return and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
+
+
 def _waiting_under(epoch: str) -> Any:
     """Jobs waiting to be claimed whose message was published under ``epoch``."""
-    return and_(
-        jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None), jobs.c.broker_epoch == epoch
-    )
+    return and_(_published_waiting(), jobs.c.broker_epoch == epoch)
 
 
 def _text(value: Any) -> str:
