@@ -22,6 +22,7 @@ class FilesSettings(BaseModel):
     chunk_tokens: int = 200
     chunk_overlap: int = 40
     extract_soft_time_limit: float = 60.0
+    stale_upload_after: float = 3600.0  # an upload still unfinished this long died: swept
     # Per stage, across all workers (the seed's figures). A worker's own pool stays within
     # twice the cores (``worker_concurrency``), so on one small machine the pool binds first.
     # ``CONVEYOR_STAGES`` overrides one stage; ``CONVEYOR_RATE_LIMITS`` limits the queue.

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
+from conveyor import cli_output as out
+from conveyor.cli_output import console, err, json_option, wait_option
 from conveyor.db.engine import reading
-from conveyor.errors import ConveyorError, NotRunning, RetryRefused
+from conveyor.errors import NotRunning, RetryRefused
 from conveyor.settings import ConveyorSettings
 
 cli = typer.Typer(help="Conveyor: Celery jobs that are always accounted for.", no_args_is_help=True)
@@ -33,8 +33,7 @@ cli.add_typer(jobs_cli, name="jobs")
 cli.add_typer(dlq_cli, name="dlq")
 cli.add_typer(db_cli, name="db")
 
-console = Console()
-err = Console(stderr=True)
+__all__ = ["cli", "console", "err", "json_option", "load_platform", "main", "run_command", "wait_option"]
 
 
 def _import(path: str) -> Any:
@@ -44,7 +43,8 @@ def _import(path: str) -> Any:
 
 
 def load_platform(*, require_services: bool = True) -> Any:
-    """Import the deployment's app module and return its platform."""
+    """Import the deployment's app module and return its platform (its engine set up for
+    the running command's ``--wait``)."""
     settings = ConveyorSettings()
     platform = _import(settings.app).platform
     if require_services and not (platform.settings.redis_url and platform.settings.database_url):
@@ -52,6 +52,9 @@ def load_platform(*, require_services: bool = True) -> Any:
             "nothing to attach to: start `conveyor up` (same CONVEYOR_HOME) or set "
             "CONVEYOR_REDIS_URL and CONVEYOR_DATABASE_URL"
         )
+    waiter = out.active()
+    if waiter is not None and platform.settings.database_url:
+        waiter.attach(platform.engine, platform.settings.database_url)
     return platform
 
 
@@ -63,18 +66,18 @@ def _migrate(platform: Any) -> None:
     upgrade(platform.engine)
 
 
-def run_command(fn: Callable[[], int | None]) -> None:
-    """Run a command body: ConveyorErrors become a clear message and exit code 2."""
-    _run(fn)
+def run_command(
+    fn: Callable[[], int | None], *, wait: float | None = None, repeat: bool = True, read_only: bool = False
+) -> None:
+    """Run a command body: ConveyorErrors become a clear message and exit code 2.
 
-
-def _run(fn: Callable[[], int | None]) -> None:
-    try:
-        code = fn() or 0
-    except ConveyorError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        code = 2
-    raise typer.Exit(code)
+    With ``wait`` (the command's ``--wait``), a locked or unreachable database is waited
+    for that long, running ``fn`` again (only if ``repeat``: it must be safe to run twice;
+    otherwise call :func:`conveyor.cli_output.wait_until_writable` before the first write)
+    with a status line on stderr, then reported in one line (exit 2). ``read_only``: the
+    command only reads, so on SQLite it never queues behind the writer.
+    """
+    raise typer.Exit(out.run_waiting(fn, wait=wait, repeat=repeat, read_only=read_only))
 
 
 # -- running ------------------------------------------------------------------------------
@@ -221,7 +224,7 @@ def up(
             services.stop()
             release_run(home, os.getpid())
 
-    _run(main)
+    run_command(main)
 
 
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -252,13 +255,13 @@ def worker(
         platform.app.worker_main(argv)
         return 0
 
-    _run(main)
+    run_command(main)
 
 
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def beat(ctx: typer.Context) -> None:
     """Run celery beat (in-memory schedule state: no shelve file)."""
-    _run(lambda: load_platform().app.start(["beat", "-l", "INFO", *ctx.args]))
+    run_command(lambda: load_platform().app.start(["beat", "-l", "INFO", *ctx.args]))
 
 
 def _flower_process(
@@ -321,11 +324,11 @@ def flower(
         except KeyboardInterrupt:
             return stop(proc)
 
-    _run(main)
+    run_command(main)
 
 
 @db_cli.command("upgrade")
-def db_upgrade() -> None:
+def db_upgrade(wait: float = wait_option()) -> None:
     """Create or upgrade the platform's and the families' tables."""
 
     def main() -> int:
@@ -333,7 +336,7 @@ def db_upgrade() -> None:
         console.print("database is up to date")
         return 0
 
-    _run(main)
+    run_command(main, wait=wait)
 
 
 # -- jobs ---------------------------------------------------------------------------------
@@ -341,7 +344,11 @@ def db_upgrade() -> None:
 
 @jobs_cli.command("list")
 def jobs_list(
-    status: str = typer.Option(None), stage: str = typer.Option(None), limit: int = typer.Option(50)
+    status: str = typer.Option(None),
+    stage: str = typer.Option(None),
+    limit: int = typer.Option(50),
+    as_json: bool = json_option(),
+    wait: float = wait_option(),
 ) -> None:
     """Newest jobs first."""
 
@@ -358,24 +365,17 @@ def jobs_list(
             q = q.where(jobs.c.stage == stage)
         with reading(platform.engine) as conn:
             rows = list(conn.execute(q).mappings())
-        table = Table("id", "stage", "label", "status", "attempts", "created")
-        for r in rows:
-            table.add_row(
-                r["id"],
-                r["stage"],
-                r["label"] or "",
-                r["status"],
-                _attempts(r),
-                f"{r['created_at']:%Y-%m-%d %H:%M:%S}",
-            )
-        console.print(table)
+        if as_json:
+            out.print_json(out.records(rows))
+            return 0
+        out.print_table(out.JOB_COLUMNS, map(out.job_cells, rows))
         return 0
 
-    _run(main)
+    run_command(main, wait=wait, read_only=True)
 
 
 @jobs_cli.command("show")
-def jobs_show(job_id: str) -> None:
+def jobs_show(job_id: str, as_json: bool = json_option(), wait: float = wait_option()) -> None:
     """One job, with its events."""
 
     def main() -> int:
@@ -386,28 +386,26 @@ def jobs_show(job_id: str) -> None:
         except LookupError as exc:
             err.print(str(exc))
             return 1
-        console.print_json(json.dumps(row, default=str))
-        console.print(f"attempts: {_attempts(row)}")
         events, _ = handle.events()
-        for e in events:
-            console.print(f"  {e.position:>16}  {e.topic:<20} {json.dumps(e.body, default=str)}")
+        if as_json:
+            out.print_json({**row, "events": out.records(events)})
+            return 0
+        console.print_json(json.dumps(row, default=out.to_json))
+        console.print(f"attempts: {out.attempts(row)}", markup=False)
+        out.print_lines(
+            f"  {e.position:>16}  {e.topic:<20} {json.dumps(e.body, default=out.to_json)}" for e in events
+        )
         return 0
 
-    _run(main)
-
-
-def _attempts(row: Any) -> str:
-    """Counted attempts of the budget, and the uncounted ones (outages, shutdowns,
-    preemption), which never use the budget."""
-    uncounted = int(row["uncounted"] or 0)
-    text = f"{int(row['attempts']) - uncounted}/{row['max_attempts']}"
-    if uncounted:
-        text += f" +{uncounted} uncounted ({row['requeues']} requeued by outages or shutdowns)"
-    return text
+    run_command(main, wait=wait, read_only=True)
 
 
 @jobs_cli.command("cancel")
-def jobs_cancel(job_id: str, reason: str = typer.Option(None, help="why (recorded with the job)")) -> None:
+def jobs_cancel(
+    job_id: str,
+    reason: str = typer.Option(None, help="why (recorded with the job)"),
+    wait: float = wait_option(),
+) -> None:
     """Cancel a queued, delayed, parked or running job; prints the resulting status."""
 
     def main() -> int:
@@ -416,10 +414,10 @@ def jobs_cancel(job_id: str, reason: str = typer.Option(None, help="why (recorde
         except LookupError as exc:
             err.print(str(exc))
             return 1
-        console.print(f"job {job_id}: {status}")
+        console.print(f"job {job_id}: {status}", markup=False)
         return 0
 
-    _run(main)
+    run_command(main, wait=wait)
 
 
 # -- dlq ----------------------------------------------------------------------------------
@@ -431,41 +429,29 @@ def dlq_list(
     queue: str = typer.Option(None),
     page: int = typer.Option(1),
     per_page: int = typer.Option(50),
+    as_json: bool = json_option(),
+    wait: float = wait_option(),
 ) -> None:
     """Open dead letters, newest first, with each job's label."""
 
     def main() -> int:
         result = load_platform().dlq.list(stage=stage, queue=queue, page=page, per_page=per_page)
-        table = Table(
-            "id",
-            "job",
-            "stage",
-            "label",
-            "error",
-            "message",
-            "attempts",
-            "when",
+        if as_json:
+            out.print_json(out.records(result.items))
+            return 0
+        out.print_table(
+            out.DEAD_LETTER_COLUMNS,
+            map(out.dead_letter_cells, result.items),
             title=f"dead letters (page {result.page}, {result.total} open)",
+            short={5: 80},
         )
-        for e in result.items:
-            table.add_row(
-                str(e["id"]),
-                e["job_id"] or "-",
-                e["stage"] or "-",
-                e["label"] or "-",
-                e["error_type"],
-                e["message"][:80],
-                str(e["attempts"]),
-                f"{e['created_at']:%m-%d %H:%M:%S}",
-            )
-        console.print(table)
         return 0
 
-    _run(main)
+    run_command(main, wait=wait, read_only=True)
 
 
 @dlq_cli.command("show")
-def dlq_show(entry_id: int) -> None:
+def dlq_show(entry_id: int, as_json: bool = json_option(), wait: float = wait_option()) -> None:
     """One dead letter, with traceback and headers."""
 
     def main() -> int:
@@ -473,14 +459,17 @@ def dlq_show(entry_id: int) -> None:
         if entry is None:
             err.print(f"no dead letter {entry_id}")
             return 1
-        console.print_json(json.dumps(dict(entry), default=str))
+        if as_json:
+            out.print_json(dict(entry))
+        else:
+            console.print_json(json.dumps(dict(entry), default=out.to_json))
         return 0
 
-    _run(main)
+    run_command(main, wait=wait, read_only=True)
 
 
 @dlq_cli.command("retry")
-def dlq_retry(entry_id: int) -> None:
+def dlq_retry(entry_id: int, wait: float = wait_option()) -> None:
     """Retry one entry's job with a fresh attempt budget."""
 
     def main() -> int:
@@ -491,11 +480,13 @@ def dlq_retry(entry_id: int) -> None:
         console.print(f"retrying job {job}")
         return 0
 
-    _run(main)
+    run_command(main, wait=wait)
 
 
 @dlq_cli.command("retry-all")
-def dlq_retry_all(stage: str = typer.Option(None), queue: str = typer.Option(None)) -> None:
+def dlq_retry_all(
+    stage: str = typer.Option(None), queue: str = typer.Option(None), wait: float = wait_option()
+) -> None:
     """Retry every open entry matching the filters."""
 
     def main() -> int:
@@ -503,14 +494,17 @@ def dlq_retry_all(stage: str = typer.Option(None), queue: str = typer.Option(Non
         ids = load_platform().dlq.retry_all(stage=stage, queue=queue, refused=refused)
         console.print(f"retried {len(ids)} job(s)")
         for exc in refused:
-            err.print(str(exc))
+            err.print(str(exc), markup=False)
         return 1 if refused else 0
 
-    _run(main)
+    run_command(main, wait=wait)
 
 
 @dlq_cli.command("purge")
-def dlq_purge(older_than_days: float = typer.Option(None, help="default: the retention setting")) -> None:
+def dlq_purge(
+    older_than_days: float = typer.Option(None, help="default: the retention setting"),
+    wait: float = wait_option(),
+) -> None:
     """Delete dead letters past retention."""
 
     def main() -> int:
@@ -518,7 +512,7 @@ def dlq_purge(older_than_days: float = typer.Option(None, help="default: the ret
         console.print(f"purged {n} dead letter(s)")
         return 0
 
-    _run(main)
+    run_command(main, wait=wait)
 
 
 # -- the main job -------------------------------------------------------------------------
@@ -562,7 +556,7 @@ def demo(
                 stop(proc)
             services.stop()
 
-    _run(main)
+    run_command(main)
 
 
 def _load_extensions() -> None:

@@ -37,6 +37,7 @@ job is dead-lettered with "infrastructure kept failing".
 from __future__ import annotations
 
 import signal
+from typing import Literal
 
 import redis.exceptions
 import sqlalchemy.exc
@@ -179,3 +180,41 @@ def is_permanent(exc: BaseException) -> bool:
     way every time; other database errors (timeouts, deadlocks) may pass.
     """
     return isinstance(exc, (PermanentError, sqlalchemy.exc.DataError, sqlalchemy.exc.ProgrammingError))
+
+
+def describe(exc: BaseException) -> str:
+    """A person-facing message for ``exc``: for a database error, the driver's own words
+    (first line only), never the statement or its parameters."""
+    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:
+        first = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
+        return f"database error ({type(exc.orig).__name__}): {first}"
+    return str(exc).strip() or type(exc).__name__
+
+
+class OutOfBounds(PermanentError):
+    """Work run by :func:`conveyor.isolate.run_bounded` outgrew its memory or time bound.
+
+    Permanent: the same input exceeds the same bound again. ``reason`` says which bound;
+    ``bound`` is that bound in bytes (memory) or seconds (time).
+    """
+
+    def __init__(self, reason: Literal["memory", "time"], bound: float) -> None:
+        if reason == "memory":
+            message = f"exceeded its memory bound of {bound / (1 << 20):g} MiB"
+        else:
+            message = f"did not finish within {bound:g} s"
+        super().__init__(message)
+        self.reason: Literal["memory", "time"] = reason
+        self.bound = bound
+
+
+class ChildFailed(PermanentError):
+    """A function run by :func:`conveyor.isolate.run_bounded` raised something that is not
+    a :class:`ConveyorError` (or its child died oddly). A deterministic function failing
+    on the same input fails again, so this is permanent. ``type_name`` is the original
+    exception's qualified class name (or e.g. ``"signal"``), ``detail`` its message."""
+
+    def __init__(self, type_name: str, detail: str) -> None:
+        super().__init__(f"{type_name}: {detail}" if detail else type_name)
+        self.type_name = type_name
+        self.detail = detail

@@ -31,7 +31,7 @@ from conveyor.db.engine import make_engine
 from conveyor.db.schema import jobs, leases
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterQueue
-from conveyor.errors import ConfigurationError, NotRunning, PayloadInvalid, PayloadTooLarge
+from conveyor.errors import ConfigurationError, NotRunning, PayloadInvalid, PayloadTooLarge, WorkerLost
 from conveyor.followers import Followers, has_flow
 from conveyor.handle import JobHandle
 from conveyor.leases import CANCEL, PREEMPT, Leases, format_key
@@ -592,6 +592,9 @@ class Platform:
             from_status=from_status,
         ):
             return None
+        if isinstance(error, WorkerLost):
+            # The last attempt stalled too: the stage hears of it as of any other stall.
+            self.record_stalled(conn, row, int(attempt if attempt is not None else row["attempts"]))
         options = row["options"] or {}
         burial = Burial(row=row, state="FAILURE", result=error)
         burial.chord_member = bool(options.get("chord")) and not options.get("chain")

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import sqlalchemy.exc
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
 
@@ -26,6 +25,7 @@ from conveyor.errors import (
     RequeuesExhausted,
     SkipJob,
     WorkerLost,
+    describe,
     is_connection_loss,
     is_permanent,
     is_stopped_by_worker,
@@ -684,11 +684,7 @@ def _short(value: Any) -> Any:
 
 
 def _readable(exc: BaseException, spec: StageSpec, attempt: int, max_attempts: int, exhausted: bool) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:
-        # The driver's own words, first line only: never the statement or its parameters.
-        first = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
-        text = f"database error ({type(exc.orig).__name__}): {first}"
+    text = describe(exc)
     if isinstance(exc, SoftTimeLimitExceeded):
         text = f"{spec.name} exceeded its soft time limit"
     if exhausted:

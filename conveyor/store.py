@@ -25,6 +25,7 @@ from conveyor.db.dialect import (
     upsert,
 )
 from conveyor.db.schema import Row, dead_letters, job_events, jobs, new_event
+from conveyor.errors import describe
 from conveyor.events import EventCursor, event_position, resolve_cursor, sequence_events
 from conveyor.logs import redact_text
 
@@ -423,8 +424,7 @@ def _insert_ignore(conn: Connection, values: dict[str, Any], index: list[str] | 
 
 
 def _message(error: BaseException) -> str:
-    text = str(error).strip() or type(error).__name__
-    return redact_text(text[:2000])
+    return redact_text(describe(error)[:2000])
 
 
 def format_traceback(error: BaseException) -> str:

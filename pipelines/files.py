@@ -1,24 +1,32 @@
 """The files pipeline: pure canvas builders, and the functions apps call.
 
-``upload`` stores content by reference; ``confirm`` moves one file ``uploaded → queued``
-and submits its chain in the same transaction (published only after commit, so a
-confirmed file can never be left behind, and confirming twice launches one flow);
-``process_batch`` does the same for every file of a sealed batch with one chord whose
-body only asks Postgres whether the batch is complete.
+The seed's flow: ``new_batch`` (optionally with its expected count) → ``upload`` per
+file (content streamed to storage by reference) → ``confirm`` per file, which moves it
+``uploaded → queued`` and submits its chain in the same transaction (published only after
+commit, so a confirmed file can never be left behind, and confirming twice launches one
+flow) → ``seal_batch`` (or the last expected upload seals it). A sealed batch completes,
+exactly once, when its last counted file is terminal, whichever comes last.
+``process_batch`` does all of it for a list of files, with one chord whose body only asks
+the database whether the batch is complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
+import logging
 import re
 import uuid
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from celery import Signature, chain, chord, group
-from sqlalchemy import insert, select
+from sqlalchemy import Connection, delete, insert, select
+from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
 
 from conveyor.db.dialect import db_now
@@ -26,7 +34,36 @@ from conveyor.db.schema import dead_letters, jobs
 from conveyor.platform import Platform
 from conveyor.store import new_event
 from tasks.files import flow
-from tasks.files.models import CANCELLED, FAILED, QUEUED, TERMINAL, UPLOADED, batches, chunks, files
+from tasks.files.errors import FileRejected
+from tasks.files.flow import BatchClosed
+from tasks.files.models import (
+    ACTIVE,
+    CANCELLED,
+    FAILED,
+    QUEUED,
+    UPLOADED,
+    UPLOADING,
+    batches,
+    chunks,
+    files,
+)
+from tasks.files.storage import Storage, too_large
+
+log = logging.getLogger("conveyor.files")
+
+__all__ = [
+    "BatchClosed",
+    "Upload",
+    "batch_status",
+    "cancel_batch",
+    "confirm",
+    "new_batch",
+    "process_batch",
+    "retry_failed",
+    "seal_batch",
+    "search",
+    "upload",
+]
 
 
 def file_chain(file_id: str, name: str | None = None) -> Signature:
@@ -45,20 +82,53 @@ def batch_chord(batch_id: str, named: Sequence[tuple[str, str]]) -> Signature:
 
 @dataclass(frozen=True)
 class Upload:
-    """A file to upload: its name and bytes."""
+    """A file to upload: its name and its content, as bytes, a path or a binary stream.
+
+    A path or a stream is copied to storage 1 MiB at a time, never read whole into memory
+    (``Upload.from_path``; a web framework's upload object as ``stream``).
+    """
 
     name: str
-    data: bytes
+    data: bytes | None = None
+    path: Path | None = None
+    stream: IO[bytes] | None = None
+
+    @classmethod
+    def from_path(cls, path: str | Path, name: str | None = None) -> Upload:
+        """The file at ``path``, streamed at upload time."""
+        path = Path(path)
+        return cls(name or path.name, path=path)
+
+    def known_size(self) -> int | None:
+        """The size, when it is known without reading the content."""
+        if self.data is not None:
+            return len(self.data)
+        if self.path is not None:
+            return self.path.stat().st_size
+        return None
+
+    def open(self) -> AbstractContextManager[IO[bytes]]:
+        """The content as a binary stream."""
+        if self.path is not None:
+            return self.path.open("rb")
+        if self.stream is not None:
+            return nullcontext(self.stream)
+        return nullcontext(io.BytesIO(self.data or b""))
 
 
-def _storage_put(platform: Platform, key: str, data: bytes) -> str:
+def _new_storage() -> Storage:
+    """Where new uploads go: the configured bucket, else the local directory."""
     from tasks.files.stages import _settings
     from tasks.files.storage import LocalStorage, S3Storage
 
     settings = _settings()
     if settings.files.s3 is not None:
-        return S3Storage.from_settings(settings.files.s3).put(key, data)
-    return LocalStorage(settings.files_storage_dir()).put(key, data)
+        return S3Storage.from_settings(settings.files.s3)
+    return LocalStorage(settings.files_storage_dir())
+
+
+def _storage_put(platform: Platform, key: str, data: bytes) -> str:
+    return _new_storage().put(key, data)
 
 
 def _safe_segment(text: str, fallback: str) -> str:
@@ -72,95 +142,244 @@ def _storage_key(owner: str, file_id: str, name: str) -> str:
     return f"{_safe_segment(owner, 'owner')}/{file_id}/{_safe_segment(Path(name).name, 'file')}"
 
 
-def new_batch(platform: Platform, owner: str) -> str:
-    """An open (unsealed) batch."""
+def new_batch(platform: Platform, owner: str, *, expected: int | None = None) -> str:
+    """An open batch. With ``expected``, the upload of the last expected file seals it;
+    without, call :func:`seal_batch` once every file is uploaded (either way it completes
+    once sealed and every counted file is terminal)."""
+    if expected is not None and expected < 0:
+        raise ValueError(f"expected must be 0 or more, got {expected}")
     batch_id = str(uuid.uuid4())
-    with platform.engine.begin() as conn:
-        conn.execute(
+    with Session(platform.engine) as session:
+        session.connection().execute(
             insert(batches).values(
                 id=batch_id,
                 owner=owner,
-                sealed=False,
+                sealed=expected == 0,
+                expected=expected,
                 total=0,
                 terminal=0,
                 ready=0,
                 failed=0,
                 cancelled=0,
-                status="open",
+                status="processing" if expected == 0 else "open",
                 created_at=db_now(),
             )
         )
+        if expected == 0:  # nothing to wait for
+            flow.try_complete(session.connection(), batch_id, _emit(platform, session))
+        session.commit()
     return batch_id
 
 
+def _display_name(name: str) -> str:
+    return Path(name).name[:500] or "file"
+
+
 def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None = None) -> str:
-    """Store the content and record the file ``uploaded``; returns the file id."""
+    """Store the content and record the file ``uploaded`` (counted in its batch); returns its id.
+
+    The row is written first (``uploading``), then the content streamed to storage, then
+    the row completed: a failed upload removes its object and its row, and one killed
+    half way leaves an ``uploading`` row that the reconciler sweeps with its object, so no
+    orphan object survives. Anything over ``max_bytes`` is refused (:class:`FileTooLarge`)
+    before it is read, when its size is known, else as soon as that much has arrived.
+    Raises :class:`LookupError` for an unknown batch (or one of another owner) and
+    :class:`BatchClosed` for a sealed or full one.
+    """
+    from tasks.files.stages import _settings
+
+    max_bytes = _settings().files.max_bytes
+    size = item.known_size()
+    if size is not None and size > max_bytes:
+        raise too_large(max_bytes, size)
     file_id = str(uuid.uuid4())
-    ref = _storage_put(platform, _storage_key(owner, file_id, item.name), item.data)
+    name = _display_name(item.name)
+    store = _new_storage()
+    key = _storage_key(owner, file_id, name)
     with platform.engine.begin() as conn:
+        if batch_id is not None:
+            _check_open(conn, batch_id, owner)
         conn.execute(
             insert(files).values(
                 id=file_id,
                 owner=owner,
                 batch_id=batch_id,
-                name=Path(item.name).name[:500],
-                size=len(item.data),
-                content_ref=ref,
-                checksum=hashlib.sha256(item.data).hexdigest(),
-                status=UPLOADED,
+                name=name,
+                size=0,
+                content_ref=store.ref_for(key),
+                checksum="",
+                status=UPLOADING,
                 created_at=db_now(),
                 updated_at=db_now(),
             )
         )
+    try:
+        with item.open() as source:
+            stored = store.put_stream(key, source, max_bytes)
+        with Session(platform.engine) as session:
+            conn = session.connection()
+            if batch_id is not None:
+                flow.count_upload(conn, batch_id, _emit(platform, session))
+            conn.execute(
+                files.update()
+                .where(files.c.id == file_id, files.c.status == UPLOADING)
+                .values(
+                    status=UPLOADED,
+                    content_ref=stored.ref,
+                    size=stored.size,
+                    checksum=stored.checksum,
+                    updated_at=db_now(),
+                )
+            )
+            session.commit()
+    except BaseException:
+        _discard(platform, store, file_id, store.ref_for(key))
+        raise
     return file_id
+
+
+
+def _check_open(conn: Connection, batch_id: str, owner: str) -> None:
+    row = conn.execute(
+        select(batches.c.sealed, batches.c.owner).where(batches.c.id == batch_id)
+    ).one_or_none()
+    if row is None or row.owner != owner:
+        raise LookupError(f"batch {batch_id} not found")
+    if row.sealed:
+        raise BatchClosed(f"batch {batch_id} is sealed: it takes no more files")
+
+
+def _discard(platform: Platform, store: Storage, file_id: str, ref: str) -> None:
+    """Undo a failed upload: its object, then its row (the reconciler retries what fails here)."""
+    try:
+        store.delete(ref)
+        with platform.engine.begin() as conn:
+            conn.execute(delete(files).where(files.c.id == file_id, files.c.status == UPLOADING))
+    except Exception:
+        log.warning("could not discard failed upload %s; the reconciler will", file_id, exc_info=True)
 
 
 def _emit(platform: Platform, session: Session) -> flow.Emit:
     return lambda topic, body: platform.store.emit(session.connection(), [new_event(None, topic, dict(body))])
 
 
-def confirm(platform: Platform, file_id: str) -> bool:
-    """``uploaded → queued`` and submit its chain, in one transaction. False if already confirmed."""
+def confirm(platform: Platform, file_id: str, *, owner: str | None = None) -> bool:
+    """``uploaded → queued`` and submit its chain, in one transaction. False if already confirmed.
+
+    Raises :class:`LookupError` for an unknown file (or one of another owner).
+    """
     with Session(platform.engine) as session:
-        if (
-            flow.transition(session.connection(), file_id, [UPLOADED], QUEUED, _emit(platform, session))
-            is None
-        ):
+        conn = session.connection()
+        row = flow.get_file(conn, file_id)
+        if row is None or (owner is not None and row["owner"] != owner) or row["status"] == UPLOADING:
+            raise LookupError(f"file {file_id} not found")
+        before = flow.transition(conn, file_id, [UPLOADED], QUEUED, _emit(platform, session))
+        if before is None:
             return False
         with platform.enlisted(session):
-            file_chain(file_id).apply_async()
+            file_chain(file_id, before["name"]).apply_async()
         session.commit()
     return True
 
 
-def process_batch(platform: Platform, owner: str, items: Sequence[Upload]) -> str:
-    """Upload every file, seal the batch, queue the files and apply one chord, atomically."""
-    batch_id = new_batch(platform, owner)
-    file_ids = [upload(platform, owner, item, batch_id=batch_id) for item in items]
+def seal_batch(platform: Platform, batch_id: str, *, owner: str | None = None) -> dict[str, Any]:
+    """No more files: the batch completes once every counted file is terminal, at once if
+    they all are. Idempotent. Returns the batch; :class:`LookupError` if there is none (of
+    ``owner``, when given)."""
     with Session(platform.engine) as session:
-        conn = session.connection()
-        conn.execute(
-            batches.update()
-            .where(batches.c.id == batch_id)
-            .values(sealed=True, total=len(file_ids), status="processing")
-        )
-        for f in file_ids:
-            flow.transition(conn, f, [UPLOADED], QUEUED, _emit(platform, session))
-        flow.try_complete(conn, batch_id, _emit(platform, session))  # an empty batch completes at once
-        if file_ids:
-            with platform.enlisted(session):
-                named = [(f, Path(item.name).name) for f, item in zip(file_ids, items, strict=True)]
-                batch_chord(batch_id, named).apply_async()
+        row = flow.seal(session.connection(), batch_id, _emit(platform, session), owner=owner)
         session.commit()
+    if row is None:
+        raise LookupError(f"batch {batch_id} not found")
+    return dict(row)
+
+
+def process_batch(platform: Platform, owner: str, items: Sequence[Upload]) -> str:
+    """Upload every file, seal the batch, queue the files and apply one chord, atomically.
+
+    A file refused at upload (too large) is recorded ``failed`` in the batch with its
+    reason, and the others go on.
+    """
+    batch_id = new_batch(platform, owner)
+    named: list[tuple[str, str]] = []
+    try:
+        for item in items:
+            try:
+                named.append((upload(platform, owner, item, batch_id=batch_id), _display_name(item.name)))
+            except FileRejected as exc:
+                _record_refused(platform, batch_id, owner, item.name, exc)
+        with Session(platform.engine) as session:
+            conn = session.connection()
+            emit = _emit(platform, session)
+            for file_id, _ in named:
+                flow.transition(conn, file_id, [UPLOADED], QUEUED, emit)
+            flow.seal(conn, batch_id, emit)  # an empty batch completes at once
+            if named:
+                with platform.enlisted(session):
+                    batch_chord(batch_id, named).apply_async()
+            session.commit()
+    except BaseException:
+        # Storage or the database failed half way: the half-filled batch is closed
+        # (cancelled, so it completes) rather than left open forever; the caller retries.
+        with contextlib.suppress(Exception):
+            cancel_batch(platform, batch_id, by="a failed submit")
+        raise
     return batch_id
 
 
-def cancel_batch(platform: Platform, batch_id: str, *, by: str = "api") -> int:
-    """Cancel the batch's non-terminal files (cancelled counts as terminal); returns how many."""
+def _record_refused(platform: Platform, batch_id: str, owner: str, name: str, error: Exception) -> None:
+    """A file refused at upload: a ``failed`` row, counted in its batch (no job ran)."""
+    file_id = str(uuid.uuid4())
+    with Session(platform.engine) as session:
+        conn = session.connection()
+        flow.count_upload(conn, batch_id, _emit(platform, session))
+        conn.execute(
+            insert(files).values(
+                id=file_id,
+                owner=owner,
+                batch_id=batch_id,
+                name=_display_name(name),
+                size=0,
+                content_ref="",
+                checksum="",
+                status=UPLOADED,
+                created_at=db_now(),
+                updated_at=db_now(),
+            )
+        )
+        flow.transition(
+            conn,
+            file_id,
+            [UPLOADED],
+            FAILED,
+            _emit(platform, session),
+            error=str(error)[:500],
+            error_type=type(error).__name__,
+            failed_stage="upload",
+        )
+        session.commit()
+
+
+def _batch_of(conn: Connection, batch_id: str, owner: str | None) -> RowMapping:
+    row = flow.batch_summary(conn, batch_id)
+    if row is None or (owner is not None and row["owner"] != owner):
+        raise LookupError(f"batch {batch_id} not found")
+    return row
+
+
+def cancel_batch(platform: Platform, batch_id: str, *, by: str = "api", owner: str | None = None) -> int:
+    """Seal the batch and cancel its non-terminal files (cancelled counts as terminal), so
+    it completes; returns how many files were cancelled. Only ``owner``'s, when given."""
+    with Session(platform.engine) as session:
+        _batch_of(session.connection(), batch_id, owner)
+        flow.seal(session.connection(), batch_id, _emit(platform, session))
+        session.commit()
     with platform.engine.connect() as conn:
         open_files = (
             conn.execute(
-                select(files.c.id).where(files.c.batch_id == batch_id, files.c.status.not_in(list(TERMINAL)))
+                select(files.c.id).where(
+                    files.c.batch_id == batch_id, files.c.status.in_([UPLOADED, *ACTIVE])
+                )
             )
             .scalars()
             .all()
@@ -171,7 +390,7 @@ def cancel_batch(platform: Platform, batch_id: str, *, by: str = "api") -> int:
             before = flow.transition(
                 session.connection(),
                 f,
-                ["uploaded", "queued", "extracting", "chunking", "embedding"],
+                [UPLOADED, *ACTIVE],
                 CANCELLED,
                 _emit(platform, session),
                 error=f"cancelled by {by}",
@@ -197,29 +416,42 @@ def replace_content(platform: Platform, file_id: str, data: bytes) -> None:
         )
 
 
-def retry_failed(platform: Platform, batch_id: str, *, by: str = "api") -> list[str]:
+def retry_failed(
+    platform: Platform, batch_id: str, *, by: str = "api", owner: str | None = None
+) -> list[str]:
     """Retry the batch's failed files from the DLQ, each from the stage it failed in.
 
-    Returns the retried job ids. The batch stays completed if it was; its new totals come
-    as ``batch.summary_changed``.
+    Only this batch's dead letters are read (never other users'). Returns the retried job
+    ids. The batch stays completed if it was; its new totals come as
+    ``batch.summary_changed``. Files refused at upload have no job to retry: upload them again.
     """
     with platform.engine.connect() as conn:
-        failed = set(
+        _batch_of(conn, batch_id, owner)
+        failed = (
             conn.execute(select(files.c.id).where(files.c.batch_id == batch_id, files.c.status == FAILED))
             .scalars()
             .all()
         )
-        entries = conn.execute(
-            select(dead_letters.c.id, jobs.c.payload)
-            .join(jobs, jobs.c.id == dead_letters.c.job_id)
-            .where(dead_letters.c.retried_at.is_(None), dead_letters.c.stage.like("conveyor.files.%"))
-        ).all()
+        entries = (
+            conn.execute(
+                select(dead_letters.c.id)
+                .join(jobs, jobs.c.id == dead_letters.c.job_id)
+                .where(
+                    dead_letters.c.retried_at.is_(None),
+                    dead_letters.c.stage.like("conveyor.files.%"),
+                    jobs.c.payload["file_id"].as_string().in_(list(failed)),
+                )
+            )
+            .scalars()
+            .all()
+            if failed
+            else []
+        )
     retried = []
-    for entry_id, payload in entries:
-        if (payload or {}).get("file_id") in failed:
-            job_id = platform.dlq.retry(int(entry_id), by=by)
-            if job_id is not None:
-                retried.append(job_id)
+    for entry_id in entries:
+        job_id = platform.dlq.retry(int(entry_id), by=by)
+        if job_id is not None:
+            retried.append(job_id)
     return retried
 
 
@@ -254,13 +486,13 @@ def search(platform: Platform, query: str, *, owner: str, limit: int = 5) -> lis
     return list(best.values())[:limit]
 
 
-def batch_status(platform: Platform, batch_id: str) -> dict[str, Any]:
-    """The batch's counters and its files' states."""
+def batch_status(platform: Platform, batch_id: str, *, owner: str | None = None) -> dict[str, Any]:
+    """The batch's counters and its files' states (only ``owner``'s batch, when given)."""
     with platform.engine.connect() as conn:
-        summary = flow.batch_summary(conn, batch_id)
+        summary = _batch_of(conn, batch_id, owner)
         states = conn.execute(
-            select(files.c.name, files.c.status, files.c.error).where(files.c.batch_id == batch_id)
+            select(files.c.id, files.c.name, files.c.status, files.c.error, files.c.error_type)
+            .where(files.c.batch_id == batch_id, files.c.status != UPLOADING)
+            .order_by(files.c.created_at, files.c.id)
         ).all()
-    if summary is None:
-        raise LookupError(f"batch {batch_id} not found")
     return {"batch": dict(summary), "files": [dict(r._mapping) for r in states]}

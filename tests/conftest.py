@@ -145,3 +145,21 @@ def worker(platform: Any) -> Iterator[Any]:
 def tag() -> str:
     """A unique tag for this test's ids, keys and rows."""
     return f"t{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def on_sqlite(platform: Any, tmp_path: Any) -> Iterator[Any]:
+    """The test platform pointed at a fresh SQLite file (same Redis), then back."""
+    from config.migrations import upgrade
+    from conveyor.db.engine import make_engine, sqlite_url
+
+    url = sqlite_url(tmp_path)
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    redis_url, database_url = platform.settings.redis_url, platform.settings.database_url
+    platform.bind(redis_url=redis_url, database_url=url)
+    try:
+        yield platform
+    finally:
+        platform.bind(redis_url=redis_url, database_url=database_url)

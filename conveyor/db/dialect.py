@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import logging
 import os
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from sqlalchemy.types import TypeDecorator, TypeEngine
 from conveyor.errors import DatabaseBusy
 
 UTC = dt.UTC
+log = logging.getLogger("conveyor.db")
 
 
 class Timestamp(TypeDecorator[dt.datetime]):
@@ -173,6 +176,7 @@ def configure_engine(engine: Engine) -> None:
             raise
         if isinstance(dbapi_conn, LockingConnection):
             dbapi_conn.held = writer_lock
+            dbapi_conn.held_since = time.monotonic()
 
 
 _writer_locks: dict[str, threading.Lock] = {}
@@ -184,15 +188,24 @@ def _writer_lock(path: str) -> threading.Lock:
         return _writer_locks.setdefault(path, threading.Lock())
 
 
+# SQLite has one writer: a write transaction held longer than this stalls every other
+# writer (submits, claims, heartbeats) for as long, so it is logged as a warning.
+SLOW_WRITE = 2.0
+
+
 class LockingConnection(sqlite3.Connection):
     """A sqlite3 connection that releases the in-process writer lock when its transaction ends."""
 
     held: threading.Lock | None = None
+    held_since = 0.0
 
     def _release(self) -> None:
         lock, self.held = self.held, None
         if lock is not None:
             lock.release()
+            held = time.monotonic() - self.held_since
+            if held > SLOW_WRITE:
+                log.warning("SQLite write lock held for %.1f s (more than %.0f s)", held, SLOW_WRITE)
 
     def commit(self) -> None:
         try:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "chunk_text", "is_word", "tokenize"]
+__all__ = ["Chunk", "chunk_text", "is_word", "iter_tokens", "tokenize"]
 
 _RAW_TOKEN = re.compile(r"\w+|[^\w\s]")
 _WORD_CHAR = re.compile(r"\w")
@@ -42,27 +43,35 @@ def _is_mark(ch: str) -> bool:
     return unicodedata.category(ch).startswith("M")
 
 
-def tokenize(text: str) -> list[tuple[int, int]]:
-    """Return the ``(start, end)`` character spans of the tokens of ``text``, in order.
+def iter_tokens(text: str) -> Iterator[tuple[int, int]]:
+    """The ``(start, end)`` character spans of the tokens of ``text``, in order, lazily.
 
     Words are maximal runs of word characters and combining marks (so ``"Gletscher"``,
     ``"café"`` in either normal form, and ``"हिन्दी"`` are one token each); every other
     non-whitespace character is a token of its own.
     """
-    spans: list[tuple[int, int]] = []
-    # Whether the last span is a word (or a mark glued to one) that a mark or word may extend.
+    pending: tuple[int, int] | None = None
+    # Whether the pending span is a word (or a mark glued to one) that a mark or word may extend.
     last_wordish = False
     for match in _RAW_TOKEN.finditer(text):
         start, end = match.span()
         # Python's \w excludes combining marks (category M), which would split decomposed
         # accents and most Indic scripts; glue them, and the letters after them, to the word.
         wordish = end - start > 1 or bool(_WORD_CHAR.match(text, start)) or _is_mark(text[start])
-        if wordish and last_wordish and spans[-1][1] == start:
-            spans[-1] = (spans[-1][0], end)
+        if pending is not None and wordish and last_wordish and pending[1] == start:
+            pending = (pending[0], end)
         else:
-            spans.append((start, end))
+            if pending is not None:
+                yield pending
+            pending = (start, end)
         last_wordish = wordish
-    return spans
+    if pending is not None:
+        yield pending
+
+
+def tokenize(text: str) -> list[tuple[int, int]]:
+    """Every token span of ``text`` (see :func:`iter_tokens`)."""
+    return list(iter_tokens(text))
 
 
 def is_word(token: str) -> bool:
@@ -70,16 +79,18 @@ def is_word(token: str) -> bool:
     return len(token) > 1 or bool(_WORD_CHAR.match(token)) or (token != "" and _is_mark(token))
 
 
-def _boundary_strength(text: str, spans: list[tuple[int, int]], end: int) -> int:
-    """How natural it is to end a chunk after token ``end - 1`` (a next token exists)."""
-    last_start, last_end = spans[end - 1]
-    gap = text[last_end : spans[end][0]]
+def _boundary_strength(
+    text: str, before: tuple[int, int] | None, last: tuple[int, int], following: tuple[int, int]
+) -> int:
+    """How natural it is to end a chunk after token ``last`` (``following`` comes next,
+    ``before`` precedes ``last``, if any)."""
+    last_start, last_end = last
+    gap = text[last_end : following[0]]
     if gap.count("\n") >= 2:
         return _PARAGRAPH
-    last = text[last_start:last_end]
-    ender = last
-    if last in _CLOSERS and end >= 2 and spans[end - 2][1] == last_start:
-        ender = text[spans[end - 2][0] : spans[end - 2][1]]
+    ender = text[last_start:last_end]
+    if ender in _CLOSERS and before is not None and before[1] == last_start:
+        ender = text[before[0] : before[1]]
     if ender in _UNSPACED_ENDERS or (ender in _SPACED_ENDERS and gap):
         return _SENTENCE
     if "\n" in gap:
@@ -104,27 +115,41 @@ def chunk_text(text: str, *, max_tokens: int = 200, overlap: int = 40) -> list[C
         raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
     if overlap < 0 or overlap >= max_tokens:
         raise ValueError(f"overlap must be in [0, max_tokens), got {overlap} with max_tokens={max_tokens}")
-    spans = tokenize(text)
-    n = len(spans)
+    tokens = iter_tokens(text)
+    # A sliding window over the tokens: ``window[i]`` is token ``base + i``. It holds one
+    # token before the chunk being cut (a boundary looks back one) up to one past its end,
+    # so memory stays at one chunk's tokens however long the text is.
+    window: list[tuple[int, int]] = []
+    base = 0
     tail = max(1, max_tokens // 5)
     chunks: list[Chunk] = []
     first = 0
     while True:
-        cut = min(first + max_tokens, n)
-        if cut < n:
+        wanted = first + max_tokens + 1 - base
+        while len(window) < wanted and (token := next(tokens, None)) is not None:
+            window.append(token)
+        available = base + len(window)
+        cut = min(first + max_tokens, available)
+        if cut < available:
             best, best_strength = cut, _NONE
             for candidate in range(max(cut - tail, first + overlap + 1), cut + 1):
-                strength = _boundary_strength(text, spans, candidate)
+                i = candidate - base
+                before = window[i - 2] if candidate >= 2 else None
+                strength = _boundary_strength(text, before, window[i - 1], window[i])
                 if strength and strength >= best_strength:
                     best, best_strength = candidate, strength
             cut = best
         if cut <= first:
             break
-        start, end = spans[first][0], spans[cut - 1][1]
+        start, end = window[first - base][0], window[cut - 1 - base][1]
         chunks.append(
             Chunk(ordinal=len(chunks), text=text[start:end], start=start, end=end, tokens=cut - first)
         )
-        if cut >= n:
+        if cut >= available:
             break
         first = cut - overlap
+        drop = first - 1 - base
+        if drop > 0:
+            del window[:drop]
+            base += drop
     return chunks

@@ -1,16 +1,24 @@
-"""``conveyor files …``: submit a batch, watch it, cancel it, search it."""
+"""``conveyor files …``: submit a batch, watch it, seal it, cancel it, search it.
+
+Every command takes ``--wait SECONDS`` (a locked or unreachable database is waited for,
+then reported in one line, exit 2); ``status``, ``seal`` and ``search`` take ``--json``.
+``--user`` scopes ``status``, ``seal``, ``cancel`` and ``retry`` to one owner's batches
+(default: any owner: this is the operator's CLI).
+"""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from rich.table import Table
 from sqlalchemy import func, select
 
-from conveyor.cli import console, err, load_platform, run_command
+from conveyor.cli import console, err, json_option, load_platform, run_command, wait_option
+from conveyor.cli_output import print_json, print_lines, print_table, records, retrying, wait_until_writable
+from conveyor.db.engine import reading
 from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, READY, TERMINAL, files
 
 app = typer.Typer(help="The files pipeline: extract → chunk → embed, batch completion.", no_args_is_help=True)
@@ -22,27 +30,51 @@ STAGES = [
 ]
 
 
-def _counts(platform: object, batch_id: str) -> dict[str, int]:
-    with platform.engine.connect() as conn:  # type: ignore[attr-defined]
+def _owner_option() -> Any:
+    return typer.Option(None, "--user", help="only this owner's batch (default: any owner)")
+
+
+def _owner(user: str | None) -> dict[str, Any]:
+    """``owner=`` for the pipeline's functions, only when given."""
+    return {"owner": user} if user else {}
+
+
+def _counts(platform: Any, batch_id: str) -> dict[str, int]:
+    with reading(platform.engine) as conn:
         rows = conn.execute(
             select(files.c.status, func.count()).where(files.c.batch_id == batch_id).group_by(files.c.status)
         ).all()
     return {str(s): int(n) for s, n in rows}
 
 
+def _summary(batch_id: str, b: Any) -> str:
+    return (
+        f"batch {batch_id}: {b['status']} total={b['total']} ready={b['ready']} failed={b['failed']} "
+        f"cancelled={b['cancelled']}"
+    )
+
+
 @app.command()
 def submit(
-    paths: list[Path] = typer.Argument(..., exists=True, readable=True, help="files to process"),
+    paths: list[Path] = typer.Argument(
+        ..., exists=True, readable=True, dir_okay=False, help="files to process"
+    ),
     user: str = typer.Option("demo", help="owner of the files"),
     timeout: float = typer.Option(600.0, help="seconds to wait for the batch"),
+    wait: float = wait_option(),
 ) -> None:
-    """Create a batch, confirm every file, show progress per stage, then the summary."""
+    """Create a batch, confirm every file, show progress per stage, then the summary.
+
+    Each file is streamed to storage from its path. The command waits for a busy
+    database before it writes anything, never after: a batch is never submitted twice.
+    """
 
     def main() -> int:
         from pipelines.files import Upload, batch_status, process_batch
 
         platform = load_platform()
-        items = [Upload(p.name, p.read_bytes()) for p in paths]
+        items = [Upload.from_path(p) for p in paths]
+        wait_until_writable(platform.engine)
         batch_id = process_batch(platform, user, items)
         console.print(f"batch [bold]{batch_id}[/bold]: {len(items)} file(s)")
         total = len(items)
@@ -53,88 +85,140 @@ def submit(
             tasks = {name: bar.add_task(name, total=total) for name, _ in STAGES}
             failed_task = bar.add_task("failed", total=total)
             while True:
-                counts = _counts(platform, batch_id)
+                counts = retrying(lambda: _counts(platform, batch_id))
                 for name, states in STAGES:
                     bar.update(tasks[name], completed=sum(counts.get(s, 0) for s in states))
                 bar.update(failed_task, completed=counts.get(FAILED, 0))
                 if sum(counts.get(s, 0) for s in TERMINAL) >= total or time.monotonic() > deadline:
                     break
                 time.sleep(0.2)
-        status = batch_status(platform, batch_id)
-        table = Table("file", "status", "error")
-        for f in status["files"]:
-            table.add_row(f["name"], f["status"], (f["error"] or "")[:80])
-        console.print(table)
+        status = retrying(lambda: batch_status(platform, batch_id))
+        print_table(
+            ["file", "status", "error"],
+            ((f["name"], f["status"], f["error"] or "") for f in status["files"]),
+            short={2: 80},
+        )
         b = status["batch"]
         console.print(f"total={b['total']} ready={b['ready']} failed={b['failed']}")
         return 0 if b["terminal"] >= b["total"] else 1
 
-    run_command(main)
+    # Not repeatable (it creates a batch): it waits before its first write instead.
+    run_command(main, wait=wait, repeat=False)
 
 
 @app.command()
-def status(batch_id: str) -> None:
+def status(
+    batch_id: str, user: str = _owner_option(), as_json: bool = json_option(), wait: float = wait_option()
+) -> None:
     """A batch's counters and each file's state."""
 
     def main() -> int:
         from pipelines.files import batch_status
 
-        s = batch_status(load_platform(), batch_id)
-        b = s["batch"]
-        console.print(
-            f"batch {batch_id}: {b['status']} total={b['total']} ready={b['ready']} failed={b['failed']} "
-            f"cancelled={b['cancelled']}"
+        try:
+            s = batch_status(load_platform(), batch_id, **_owner(user))
+        except LookupError as exc:
+            err.print(str(exc), markup=False)
+            return 1
+        if as_json:
+            print_json({"batch": dict(s["batch"]), "files": records(s["files"])})
+            return 0
+        print_lines(
+            [
+                _summary(batch_id, s["batch"]),
+                *(
+                    f"  {f['status']:<10} {f['name']}  {' '.join((f['error'] or '').split())}"
+                    for f in s["files"]
+                ),
+            ]
         )
-        for f in s["files"]:
-            console.print(f"  {f['status']:<10} {f['name']}  {f['error'] or ''}")
         return 0
 
-    run_command(main)
+    run_command(main, wait=wait, read_only=True)
 
 
 @app.command()
-def cancel(batch_id: str) -> None:
+def seal(
+    batch_id: str, user: str = _owner_option(), as_json: bool = json_option(), wait: float = wait_option()
+) -> None:
+    """No more files for the batch: it completes once every file in it is terminal."""
+
+    def main() -> int:
+        from pipelines.files import seal_batch
+
+        try:
+            b = seal_batch(load_platform(), batch_id, **_owner(user))
+        except LookupError as exc:
+            err.print(str(exc), markup=False)
+            return 1
+        if as_json:
+            print_json(dict(b))
+        else:
+            print_lines([f"{_summary(batch_id, b)} sealed={bool(b['sealed'])} terminal={b['terminal']}"])
+        return 0
+
+    run_command(main, wait=wait)  # sealing twice is sealing once
+
+
+@app.command()
+def cancel(batch_id: str, user: str = _owner_option(), wait: float = wait_option()) -> None:
     """Cancel the batch's non-terminal files (cancelled counts as terminal)."""
 
     def main() -> int:
         from pipelines.files import cancel_batch
 
-        n = cancel_batch(load_platform(), batch_id, by="cli")
+        try:
+            n = cancel_batch(load_platform(), batch_id, by="cli", **_owner(user))
+        except LookupError as exc:
+            err.print(str(exc), markup=False)
+            return 1
         console.print(f"cancelled {n} file(s)")
         return 0
 
-    run_command(main)
+    run_command(main, wait=wait)
 
 
 @app.command()
-def retry(batch_id: str) -> None:
+def retry(batch_id: str, user: str = _owner_option(), wait: float = wait_option()) -> None:
     """Retry the batch's failed files from the DLQ, each from the stage it failed in."""
 
     def main() -> int:
         from pipelines.files import retry_failed
 
-        ids = retry_failed(load_platform(), batch_id, by="cli")
+        try:
+            ids = retry_failed(load_platform(), batch_id, by="cli", **_owner(user))
+        except LookupError as exc:
+            err.print(str(exc), markup=False)
+            return 1
         console.print(f"retried {len(ids)} file(s)")
         return 0
 
-    run_command(main)
+    run_command(main, wait=wait)
 
 
 @app.command()
-def search(query: str, user: str = typer.Option("demo"), limit: int = typer.Option(5)) -> None:
+def search(
+    query: str,
+    user: str = typer.Option("demo"),
+    limit: int = typer.Option(5),
+    as_json: bool = json_option(),
+    wait: float = wait_option(),
+) -> None:
     """The best chunks for QUERY among USER's files."""
 
     def main() -> int:
         from pipelines.files import search as run_search
 
         hits = run_search(load_platform(), query, owner=user, limit=limit)
+        if as_json:
+            print_json(records(hits))
+            return 0
         if not hits:
             err.print("no results")
-        for h in hits:
-            console.print(f"{h.score:.3f}  {h.name}  #{h.ordinal}: {h.text[:100]!r}")
+        print_lines(f"{h.score:.3f}  {h.name}  #{h.ordinal}: {h.text[:100]!r}" for h in hits)
         return 0
 
-    run_command(main)
+    run_command(main, wait=wait, read_only=True)
 
 
 __all__ = ["EXTRACTING", "app"]

@@ -21,8 +21,20 @@ class EncryptedPdf(FileRejected):
     """The PDF is password-protected."""
 
 
-class NoTextLayer(FileRejected):
+class EmptyDocument(FileRejected):
+    """The file holds no text once parsed: zero bytes, only whitespace, an HTML page with nothing
+    visible, a DOCX without paragraphs. The message starts with "no text found"."""
+
+
+class NoTextLayer(EmptyDocument):
     """The document has no extractable text (a scan); OCR is not supported."""
+
+
+class DocumentTooComplex(FileRejected):
+    """Extracting the document would take more memory or time than a worker may spend, or its structure
+    says it would: a decompression bomb (a DOCX or PDF stream that unpacks out of all proportion to the
+    file), an XML entity declaration, too many ZIP members or a page tree nested too deeply. The message
+    starts with "document too complex"."""
 
 
 class FileTooLarge(FileRejected):

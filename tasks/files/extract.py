@@ -2,22 +2,30 @@
 
 Everything here is a pure function of the bytes (and, for Markdown only, the file name): no I/O, no
 globals that change. The type is always detected from the content; the name never overrides what the
-bytes say, it only tells Markdown apart from plain text, which no magic number can.
+bytes say, it only tells Markdown apart from the other kinds of text, which no magic number can.
 
 Detection order (first match wins), see :func:`detect_mime`:
 
 ====================  =========================================================================
-``application/pdf``   starts with ``%PDF-``
-DOCX                  a ZIP archive holding ``word/document.xml``
-``text/html``         ``<!doctype html`` or ``<html`` first, after an optional BOM and whitespace
-``text/markdown``     UTF-8 text named ``*.md`` / ``*.markdown``, or with an ATX heading line
+``application/pdf``   starts with ``%PDF-`` (or puremagic says PDF)
+DOCX                  a ZIP archive holding ``word/document.xml``; any other ZIP is rejected
+(text)                the bytes decode as text, see :func:`_decode_text`: a BOM, else strict
+                      UTF-8, else -- unless puremagic recognises a binary format (image,
+                      executable, archive...) -- the encoding charset-normalizer finds. Text with
+                      more than one control character in ten (NUL...) is binary after all.
+``text/html``         the text starts, after whitespace, comments and an ``<?xml?>`` prolog, with
+                      ``<!DOCTYPE html`` or a page element (``<html>``, ``<head>``, ``<body>``...);
+                      or with another HTML element (``<div>``, ``<p>``, ``<table>``...) unless the
+                      name says Markdown (Markdown may start with raw HTML)
+``text/markdown``     text named ``*.md`` / ``*.markdown``, or with an ATX heading line
                       (``# Title``) *and* another Markdown construct (link, image, code, bold)
-``text/plain``        UTF-8 text (BOM allowed) without NUL bytes
+``text/plain``        any other text
 ``application/...``   ``application/octet-stream`` for everything else: rejected by :func:`extract`
 ====================  =========================================================================
 
 Every failure raises one of the :mod:`tasks.files.errors` classes with a short message meant for a
-person; messages never quote the document's content.
+person; messages never quote the document's content. Decompression bombs are refused before they
+unpack (see :func:`_check_zip` and :func:`_pdf_configuration` for the limits).
 """
 
 from __future__ import annotations
@@ -28,26 +36,31 @@ import re
 import unicodedata
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from html.parser import HTMLParser
+from typing import Any
 
+import charset_normalizer
 import docx
+import puremagic
 from docx.opc.exceptions import OpcError
 from docx.table import Table
 from docx.text.paragraph import Paragraph
 from lxml.etree import LxmlError
-from pypdf import PdfReader
-from pypdf.errors import DependencyError, FileNotDecryptedError, PyPdfError
+from pypdf import PdfReader, apply_configuration
+from pypdf.errors import DependencyError, FileNotDecryptedError, LimitReachedError, PyPdfError
 
 from tasks.files.errors import (
     CorruptFile,
+    DocumentTooComplex,
+    EmptyDocument,
     EncryptedPdf,
     FileTooLarge,
     NoTextLayer,
     TooManyPages,
     UnsupportedFile,
 )
+from tasks.files.markup import html_start, html_text, markdown_text
 
 PDF = "application/pdf"
 DOCX = "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
@@ -57,17 +70,33 @@ TEXT = "text/plain"
 OCTET_STREAM = "application/octet-stream"
 
 NO_TEXT_LAYER = "no text layer (OCR not supported)"
+_EMPTY = {
+    DOCX: "no text found in the document",
+    HTML: "no text found: the page has no visible text",
+    MARKDOWN: "no text found in the document",
+    TEXT: "no text found: the file holds only whitespace or control characters",
+}
 
 _KB = 1024
 _MB = 1024 * 1024
-# A DOCX is a ZIP; its declared unpacked size (which zipfile enforces while reading) may be at most this
-# many times the size limit, so a small zip bomb cannot expand into gigabytes of XML.
-_MAX_UNPACK_RATIO = 20
+
+# DOCX (ZIP) limits, checked on the archive's directory before anything is unpacked:
+# - the declared unpacked size of all members together may be at most _MAX_UNPACK_RATIO times the
+#   archive's size (Word's XML compresses 5-20x; zip bombs 1000x and more), though anything up to
+#   _UNPACK_FLOOR passes, so a small file of repetitive XML is never refused;
+# - and never more than max(4 x Limits.max_bytes, 64 MiB) (:func:`_unpack_cap`);
+# - at most _MAX_ZIP_MEMBERS members (Word writes a few dozen).
+# zipfile stops every member at its declared size (and then fails its CRC check), so a member cannot
+# unpack to more than the directory says.
+_MAX_UNPACK_RATIO = 100
+_UNPACK_FLOOR = 16 * _MB
+_MAX_ZIP_MEMBERS = 10_000
+_CENTRAL_DIRECTORY_ENTRY = b"PK\x01\x02"
 
 
 @dataclass(frozen=True)
 class Limits:
-    """Upper bounds checked before (size) and while (pages) a file is parsed."""
+    """Upper bounds checked before (size) and while (pages, unpacked size) a file is parsed."""
 
     max_bytes: int = 25 * _MB
     max_pages: int = 500
@@ -77,20 +106,26 @@ class Limits:
 class Extracted:
     """The text of a document and what was learned about it on the way.
 
-    ``text`` is normalized: NFC, every line break is ``\\n``, trailing whitespace is stripped from each
-    line, runs of blank lines are collapsed into one and leading/trailing blank lines are removed.
+    ``text`` is normalized (:func:`normalize`): NFC; ``\\r\\n``, ``\\r``, ``\\v``, ``\\f``, NEL,
+    U+2028 and U+2029 become ``\\n``; every other control character except ``\\t`` (NUL, ESC, DEL, the
+    C1 range...) is removed and a lone surrogate becomes U+FFFD; trailing whitespace is stripped from
+    each line, runs of blank lines are collapsed into one and leading/trailing blank lines are removed.
+    It always holds a non-space character: a document without one raises :class:`EmptyDocument`.
+
+    ``encoding`` is the codec the text was decoded with (``utf_8``, ``cp1252``, ``utf_16``...), in
+    Python's spelling; ``None`` for PDF and DOCX, whose text is not stored as a byte encoding.
     """
 
     text: str
     mime: str
     pages: int | None  # PDFs only
+    encoding: str | None = None
 
 
 # --------------------------------------------------------------------------------------------------
 # Detection
 # --------------------------------------------------------------------------------------------------
 
-_HTML_START = re.compile(rb"\s*(?:<!doctype\s+html|<html)", re.IGNORECASE)
 _MD_SUFFIXES = (".md", ".markdown")
 _MD_HEADING = re.compile(r"^ {0,3}#{1,6}[ \t]+\S", re.MULTILINE)
 _MD_OTHER = re.compile(
@@ -101,32 +136,73 @@ _MD_OTHER = re.compile(
     r"|^ {0,3}> ",  # blockquote
     re.MULTILINE,
 )
+# UTF-32 first: its little-endian BOM starts with UTF-16's.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf_32"),
+    (codecs.BOM_UTF32_BE, "utf_32"),
+    (codecs.BOM_UTF8, "utf_8"),
+    (codecs.BOM_UTF16_LE, "utf_16"),
+    (codecs.BOM_UTF16_BE, "utf_16"),
+)
+# Control characters that do not occur in text: C0 but tab, line breaks and ESC (coloured logs), DEL,
+# C1 but NEL. More than one in ten characters and "text" is binary.
+_BINARY_CONTROLS = re.compile("[\x00-\x08\x0e-\x1a\x1c-\x1f\x7f-\x84\x86-\x9f]")
+# charset-normalizer often cannot tell the Western code pages apart in a short text and may pick, say,
+# mac_latin2 for French. cp1252 (of which Latin-1 is nearly a subset) wins when it does about as well.
+_CP1252_TOLERANCE = 0.1
+_META_CHARSET = re.compile(rb"""<meta[^>]{0,512}?charset\s*=\s*["']?\s*([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class _Text:
+    text: str
+    encoding: str
+    bom: bool = False
 
 
 def detect_mime(data: bytes, name: str | None = None) -> str:
     """Return the MIME type of ``data``, judged from its content.
 
-    ``name`` is only consulted to tell Markdown from plain text once the bytes are known to be UTF-8
-    text; a PDF called ``notes.txt`` is still ``application/pdf``. See the module docstring for the
-    rules and their order.
+    ``name`` is only consulted to tell Markdown from the other kinds of text once the bytes are known
+    to be text; a PDF called ``notes.txt`` is still ``application/pdf``. See the module docstring for
+    the rules and their order.
     """
-    if data.startswith(b"%PDF-"):
-        return PDF
-    if data.startswith(b"PK\x03\x04") and _is_docx(data):
-        return DOCX
-    if _HTML_START.match(data.removeprefix(codecs.BOM_UTF8)):
-        return HTML
-    text = _decode_utf8(data)
-    if text is None:
-        return OCTET_STREAM
-    if name is not None and name.lower().endswith(_MD_SUFFIXES):
-        return MARKDOWN
-    if _MD_HEADING.search(text) and _MD_OTHER.search(text):
-        return MARKDOWN
-    return TEXT
+    return _detect(data, name)[0]
+
+
+def _detect(data: bytes, name: str | None) -> tuple[str, _Text | None]:
+    """The MIME type and, for text, the decoded text."""
+    mime, description = _magic(data)
+    if data.startswith(b"%PDF-") or mime == PDF:
+        return PDF, None
+    if data.startswith(b"PK\x03\x04") or "zip" in mime or "openxmlformats" in mime:
+        return (DOCX if _is_docx(data) else OCTET_STREAM), None
+    textual = mime.startswith("text/") or "xml" in mime or "json" in mime or "text" in description
+    decoded = _decode_text(data, known_binary=bool(description) and not textual)
+    if decoded is None:
+        return OCTET_STREAM, None
+    text = decoded.text
+    markdown_name = name is not None and name.lower().endswith(_MD_SUFFIXES)
+    start = html_start(text)
+    if start == "page" or (start == "fragment" and not markdown_name):
+        return HTML, decoded
+    if markdown_name or (_MD_HEADING.search(text) and _MD_OTHER.search(text)):
+        return MARKDOWN, decoded
+    return TEXT, decoded
+
+
+def _magic(data: bytes) -> tuple[str, str]:
+    """puremagic's best match as (MIME type, lower-case description); empty strings for none."""
+    try:
+        best = puremagic.magic_string(data)[0]
+    except (puremagic.PureError, ValueError, IndexError):
+        return "", ""
+    return best.mime_type, best.name.lower()
 
 
 def _is_docx(data: bytes) -> bool:
+    if data.count(_CENTRAL_DIRECTORY_ENTRY) > _MAX_ZIP_MEMBERS:
+        return b"word/document.xml" in data  # not worth a directory of that size; extract refuses it
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             return "word/document.xml" in archive.namelist()
@@ -136,14 +212,77 @@ def _is_docx(data: bytes) -> bool:
         return b"word/document.xml" in data
 
 
-def _decode_utf8(data: bytes) -> str | None:
-    """The text of UTF-8 (optionally BOM-prefixed) bytes without NULs, else ``None``."""
-    if b"\x00" in data:
-        return None
+def _decode_text(data: bytes, *, known_binary: bool) -> _Text | None:
+    """The text of ``data`` and its encoding, or ``None`` when it is not text.
+
+    A BOM decides; otherwise strict UTF-8; otherwise, unless puremagic knows the bytes as a binary
+    format, charset-normalizer's best guess (Latin-1, cp1252, UTF-16 without a BOM...). In every case
+    text with too many control characters (``_BINARY_CONTROLS``) is not text.
+    """
+    for bom, encoding in _BOMS:
+        if data.startswith(bom):
+            try:
+                text = data.decode("utf_8_sig" if encoding == "utf_8" else encoding)
+            except UnicodeDecodeError:
+                break
+            return None if _looks_binary(text) else _Text(text, encoding, bom=True)
     try:
-        return data.decode("utf-8-sig")
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
+        pass
+    else:
+        if not _looks_binary(text):
+            return _Text(text, "utf_8")
+    if known_binary:
         return None
+    matches = charset_normalizer.from_bytes(data)
+    best = matches.best()
+    if best is None:
+        return None
+    guess = _Text(str(best), best.encoding)
+    if best.encoding in ("utf_16_le", "utf_16_be"):
+        # Any even number of bytes decodes as UTF-16; without a BOM, believe it only if NULs (the high
+        # bytes of Latin text) never fall on the low-byte side.
+        low_bytes = data[0::2] if best.encoding == "utf_16_le" else data[1::2]
+        if low_bytes.count(0) * 100 > len(low_bytes):
+            return None
+    if best.encoding != "cp1252":
+        for match in matches:
+            if "cp1252" in match.could_be_from_charset and match.chaos <= best.chaos + _CP1252_TOLERANCE:
+                try:
+                    candidate = _Text(data.decode("cp1252"), "cp1252")
+                except UnicodeDecodeError:
+                    break
+                if not _looks_binary(candidate.text):
+                    guess = candidate
+                break
+    return None if _looks_binary(guess.text) else guess
+
+
+def _looks_binary(text: str) -> bool:
+    return _BINARY_CONTROLS.subn("", text)[1] * 10 > len(text)
+
+
+def _html_charset(data: bytes, decoded: _Text) -> _Text:
+    """A BOM or valid UTF-8 stand; otherwise a ``<meta charset>`` the bytes decode with wins over the
+    guess. As in browsers, a declared ISO-8859-1 or ASCII means cp1252."""
+    if decoded.bom or decoded.encoding == "utf_8":
+        return decoded
+    declared = _META_CHARSET.search(data[:4096])
+    if declared is None:
+        return decoded
+    try:
+        encoding = codecs.lookup(declared.group(1).decode("ascii")).name.replace("-", "_")
+    except LookupError:
+        return decoded
+    if encoding in ("iso8859_1", "ascii"):
+        encoding = "cp1252"
+    if encoding.startswith(("utf_16", "utf_32")):  # a meta tag cannot be read in those: it lies
+        return decoded
+    try:
+        return _Text(data.decode(encoding), encoding)
+    except UnicodeDecodeError:
+        return decoded
 
 
 # --------------------------------------------------------------------------------------------------
@@ -155,37 +294,54 @@ def extract(data: bytes, *, name: str | None = None, limits: Limits = Limits()) 
     """Detect the type of ``data`` and return its normalized text.
 
     Raises:
-        FileTooLarge: ``data`` is over ``limits.max_bytes`` (checked before anything else), or a DOCX
-            would unpack to more than ``_MAX_UNPACK_RATIO`` times that.
+        FileTooLarge: ``data`` is over ``limits.max_bytes`` (checked before anything else).
+        EmptyDocument: the file is empty, or holds no text once parsed and normalized ("no text
+            found..."); its subclass NoTextLayer for a PDF whose pages have no text (a scan).
+        DocumentTooComplex: a decompression bomb or a structure over a parsing limit ("document too
+            complex: ..."): see :func:`_check_zip` and :func:`_pdf_configuration`.
         TooManyPages: a PDF has more than ``limits.max_pages`` pages.
         EncryptedPdf: a PDF needs a password to be opened.
-        NoTextLayer: a PDF has pages but no text on any of them (a scan).
         CorruptFile: a PDF or DOCX that cannot be parsed.
-        UnsupportedFile: any other type, or text that is not valid UTF-8.
+        UnsupportedFile: any other type (binary data, a ZIP that is not a DOCX...).
     """
     if len(data) > limits.max_bytes:
         raise FileTooLarge(f"file is {_size_up(len(data))}, over the {_size(limits.max_bytes)} limit")
-    mime = detect_mime(data, name)
+    if not data:
+        raise EmptyDocument("no text found: the file is empty")
+    mime, decoded = _detect(data, name)
     if mime == PDF:
         text, pages = _pdf_text(data, limits)
         return Extracted(text=text, mime=mime, pages=pages)
-    handlers: dict[str, Callable[[bytes, Limits], str]] = {
-        DOCX: _docx_text,
-        HTML: _html_text,
-        MARKDOWN: _markdown_text,
-        TEXT: _plain_text,
-    }
-    handler = handlers.get(mime)
-    if handler is None:
+    encoding: str | None = None
+    if mime == DOCX:
+        text = _docx_text(data, limits)
+    elif decoded is None:
         raise UnsupportedFile(f"unsupported file type (detected {mime})")
-    return Extracted(text=normalize(handler(data, limits)), mime=mime, pages=None)
+    elif mime == HTML:
+        decoded = _html_charset(data, decoded)
+        text, encoding = html_text(decoded.text), decoded.encoding
+    elif mime == MARKDOWN:
+        text, encoding = markdown_text(decoded.text), decoded.encoding
+    else:
+        text, encoding = decoded.text, decoded.encoding
+    text = normalize(text)
+    if not text.strip():
+        raise EmptyDocument(_EMPTY[mime])
+    return Extracted(text=text, mime=mime, pages=None, encoding=encoding)
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+_LINE_BREAKS = re.compile("\r\n?|[\x0b\x0c\x85\u2028\u2029]")
+_CONTROLS = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")  # once the line breaks are \n
 
 
 def normalize(text: str) -> str:
-    """Apply the normalization documented on :class:`Extracted`."""
-    lines = [line.rstrip() for line in unicodedata.normalize("NFC", text).splitlines()]
+    """Apply the normalization (and sanitization) documented on :class:`Extracted`."""
+    text = unicodedata.normalize("NFC", _SURROGATES.sub("\ufffd", text))
+    text = _CONTROLS.sub("", _LINE_BREAKS.sub("\n", text))
     out: list[str] = []
-    for line in lines:
+    for line in text.split("\n"):
+        line = line.rstrip()
         if line or (out and out[-1]):
             out.append(line)
     while out and not out[-1]:
@@ -240,7 +396,54 @@ _PDF_REASONS = (
 _SPACE_RUNS = re.compile(r"(?<=\S)[ \t]{2,}")
 
 
+def _stream_limit(limits: Limits) -> int:
+    """What one PDF stream may unpack to: max_bytes, but at least 16 MiB and at most 64 MiB."""
+    return min(max(limits.max_bytes, 16 * _MB), 64 * _MB)
+
+
+def _pdf_configuration(limits: Limits) -> dict[str, Any]:
+    """pypdf limits (its defaults are 75 MB per stream) tightened to :func:`_stream_limit`.
+
+    A stream whose filters (Flate, LZW, run-length...) would produce more, or which declares a longer
+    ``/Length`` than the file has bytes, makes pypdf raise LimitReachedError: DocumentTooComplex.
+    pypdf's own page-tree limits (depth 100, 100,000 entries, cycles detected) stay as they are.
+    """
+    stream = _stream_limit(limits)
+    return {
+        "zlib_maximum_output_length": stream,
+        "lzw_maximum_output_length": stream,
+        "run_length_maximum_output_length": stream,
+        "brotli_maximum_output_length": stream,
+        "jbig2_maximum_output_length": stream,
+        "array_based_stream_maximum_output_length": stream,
+        "image_maximum_buffer_size": stream,
+        "stream_decoding_work_maximum_length": 2 * stream,
+        "maximum_declared_stream_length": max(limits.max_bytes, 1),
+    }
+
+
 def _pdf_text(data: bytes, limits: Limits) -> tuple[str, int]:
+    with apply_configuration(**_pdf_configuration(limits)):
+        try:
+            return _read_pdf(data, limits)
+        except LimitReachedError as exc:
+            raise _pdf_limit(exc, limits) from exc
+
+
+def _pdf_limit(exc: LimitReachedError, limits: Limits) -> DocumentTooComplex | TooManyPages:
+    message = str(exc)
+    if message.startswith("Maximum page tree entry"):
+        return TooManyPages(f"PDF has too many pages, over the {limits.max_pages}-page limit")
+    if message.startswith("Maximum page tree depth"):
+        return DocumentTooComplex("document too complex: the PDF page tree is nested too deeply")
+    if "decompressing" in message:
+        return DocumentTooComplex(
+            f"document too complex: a PDF stream unpacks to more than {_size(_stream_limit(limits))}"
+        )
+    return DocumentTooComplex("document too complex: the PDF is over a parsing limit")
+
+
+def _read_pdf(data: bytes, limits: Limits) -> tuple[str, int]:
     try:
         reader = PdfReader(io.BytesIO(data))
         # Encrypted with an empty user password means "restrictions only": every viewer opens such a
@@ -250,6 +453,8 @@ def _pdf_text(data: bytes, limits: Limits) -> tuple[str, int]:
         count = len(reader.pages)
     except (FileNotDecryptedError, DependencyError) as exc:
         raise EncryptedPdf("PDF is password-protected") from exc
+    except LimitReachedError:
+        raise
     except _PDF_FAILURES as exc:
         if isinstance(exc, NotImplementedError) and b"/Encrypt" in data:
             # An encryption handler other than the standard password one (certificates, DRM): the
@@ -264,6 +469,8 @@ def _pdf_text(data: bytes, limits: Limits) -> tuple[str, int]:
     for index in range(count):
         try:
             texts.append(reader.pages[index].extract_text())
+        except LimitReachedError:
+            raise
         except _PDF_FAILURES as exc:
             raise CorruptFile(f"corrupt or truncated PDF: page {index + 1} cannot be read") from exc
     # Justified lines come out with the stretched word gaps as runs of spaces.
@@ -302,17 +509,63 @@ _DOCX_FAILURES: tuple[type[Exception], ...] = (
     RuntimeError,
     zlib.error,
 )
+_XML_CHUNK = 1 << 16
+_DTD_MARKERS = (b"<!DOCTYPE", b"<!ENTITY")
+
+
+def _unpack_cap(limits: Limits) -> int:
+    """What a DOCX may unpack to in all: max(4 x max_bytes, 64 MiB)."""
+    return max(4 * limits.max_bytes, 64 * _MB)
+
+
+def _check_zip(data: bytes, archive: zipfile.ZipFile, limits: Limits) -> None:
+    """Refuse a zip bomb from its directory, and any XML part with a DTD, before python-docx reads it.
+
+    The limits are described at ``_MAX_UNPACK_RATIO``. Word never writes a DTD, and a DTD is what an
+    entity expansion ("billion laughs") needs: any ``<!DOCTYPE`` or ``<!ENTITY`` in a ``.xml`` or
+    ``.rels`` part is refused (python-docx's parser does not expand entities either).
+    """
+    members = archive.infolist()
+    if len(members) > _MAX_ZIP_MEMBERS:
+        raise _too_many_members()
+    unpacked = sum(info.file_size for info in members)
+    cap = _unpack_cap(limits)
+    if unpacked > cap:
+        raise DocumentTooComplex(
+            f"document too complex: DOCX unpacks to {_size_up(unpacked)}, over the {_size(cap)} limit"
+        )
+    if unpacked > max(_UNPACK_FLOOR, _MAX_UNPACK_RATIO * len(data)):
+        raise DocumentTooComplex(
+            f"document too complex: DOCX unpacks to {_size_up(unpacked)} from {_size_up(len(data))} "
+            f"(ratio {unpacked // len(data)}×, limit {_MAX_UNPACK_RATIO}×)"  # noqa: RUF001
+        )
+    for info in members:
+        if not info.filename.endswith((".xml", ".rels")):
+            continue
+        with archive.open(info) as part:
+            tail = b""
+            while chunk := part.read(_XML_CHUNK):
+                window = tail + chunk
+                if any(marker in window for marker in _DTD_MARKERS):
+                    raise DocumentTooComplex(
+                        "document too complex: the DOCX declares XML entities (a DTD), "
+                        "which Word never writes"
+                    )
+                tail = window[-16:]
+
+
+def _too_many_members() -> DocumentTooComplex:
+    return DocumentTooComplex(
+        f"document too complex: the DOCX archive has more than {_MAX_ZIP_MEMBERS:,} parts"
+    )
 
 
 def _docx_text(data: bytes, limits: Limits) -> str:
+    if data.count(_CENTRAL_DIRECTORY_ENTRY) > _MAX_ZIP_MEMBERS:
+        raise _too_many_members()  # before zipfile builds an object per entry
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            unpacked = sum(info.file_size for info in archive.infolist())
-        if unpacked > limits.max_bytes * _MAX_UNPACK_RATIO:
-            raise FileTooLarge(
-                f"DOCX unpacks to {_size_up(unpacked)}, "
-                f"over the {_size(limits.max_bytes * _MAX_UNPACK_RATIO)} limit"
-            )
+            _check_zip(data, archive, limits)
         document = docx.Document(io.BytesIO(data))
     except _DOCX_FAILURES as exc:
         raise CorruptFile("corrupt or truncated DOCX: the archive or its XML cannot be read") from exc
@@ -337,309 +590,3 @@ def _docx_text(data: bytes, limits: Limits) -> str:
         return "\n".join(blocks(document.iter_inner_content()))
     except _DOCX_FAILURES as exc:
         raise CorruptFile("corrupt or truncated DOCX: the document body cannot be read") from exc
-
-
-# --------------------------------------------------------------------------------------------------
-# HTML
-# --------------------------------------------------------------------------------------------------
-
-_SKIPPED = frozenset({"script", "style", "head", "template", "noscript"})
-_PARAGRAPHS = frozenset(
-    {"p", "h1", "h2", "h3", "h4", "h5", "h6", "blockquote", "pre", "table", "ul", "ol", "dl", "figure"}
-)
-_LINES = frozenset(
-    {
-        "br", "div", "li", "tr", "section", "article", "header", "footer", "nav", "aside", "main",
-        "hr", "dt", "dd", "figcaption", "caption", "form", "fieldset", "address", "details",
-        "summary", "title", "body", "html", "option", "legend",
-    }
-)  # fmt: skip
-_CELLS = frozenset({"td", "th"})
-_HTML_SPACE = re.compile(r"[ \t\n\r\f]+")
-# A start or end tag as the HTML tokenizer ends it: at the first ">" outside a quoted attribute value.
-# Atomic groups and possessive quantifiers: a failed match costs one scan, never backtracking.
-_TAG = re.compile(r"""</?([A-Za-z][^\s/>]*+)(?>[^>"'=]++|=\s*+(?>"[^"]*+"|'[^']*+')?+|["'])*+>""")
-# script and style content is raw text up to the matching end tag (html.parser's CDATA mode).
-_RAW_TEXT_END = {name: re.compile(rf"</{name}(?=[\s/>])", re.IGNORECASE) for name in ("script", "style")}
-_META_CHARSET = re.compile(rb"""<meta[^>]+charset\s*=\s*["']?\s*([A-Za-z0-9_.:-]+)""", re.IGNORECASE)
-
-
-class _HtmlText(HTMLParser):
-    """Collects visible text; block elements become line breaks, whitespace collapses as in a browser."""
-
-    def __init__(self) -> None:
-        super().__init__(convert_charrefs=True)
-        self.parts: list[str] = []
-        self._skipping: list[str] = []
-        self._pre = 0
-
-    def _ends_line(self) -> bool:
-        return not self.parts or self.parts[-1].endswith("\n")
-
-    def _break(self, newlines: int) -> None:
-        """End the current line (1) or paragraph (2), counting the line breaks already written."""
-        have = 0
-        for part in reversed(self.parts):
-            stripped = part.rstrip("\n")
-            have += len(part) - len(stripped)
-            if stripped or have >= newlines:
-                break
-        if self.parts and have < newlines:
-            self.parts.append("\n" * (newlines - have))
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "body" and "head" in self._skipping:
-            # An unclosed <head> must not swallow the whole page.
-            self._skipping.clear()
-        if tag in _SKIPPED:
-            self._skipping.append(tag)
-        elif self._skipping:
-            return
-        elif tag == "br":
-            self.parts.append("\n")
-        elif tag in _PARAGRAPHS:
-            self._break(2)
-        elif tag in _LINES:
-            self._break(1)
-        elif tag in _CELLS and not self._ends_line():
-            self.parts.append("\t")
-        if tag == "pre":
-            self._pre += 1
-
-    def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag not in _SKIPPED:  # <script/> opens nothing to skip
-            self.handle_starttag(tag, attrs)
-
-    def handle_endtag(self, tag: str) -> None:
-        if tag in self._skipping:
-            while self._skipping.pop() != tag:
-                pass
-        elif self._skipping:
-            return
-        elif tag in _PARAGRAPHS:
-            self._break(2)
-        elif tag in _LINES:
-            self._break(1)
-        if tag == "pre" and self._pre:
-            self._pre -= 1
-
-    def handle_data(self, data: str) -> None:
-        if self._skipping:
-            return
-        if not self._pre:
-            data = _HTML_SPACE.sub(" ", data)
-            if self._ends_line():
-                data = data.lstrip(" ")
-        if data:
-            self.parts.append(data)
-
-
-def _html_text(data: bytes, limits: Limits) -> str:
-    parser = _HtmlText()
-    parser.feed(_defuse_html(_decode_html(data)))
-    parser.close()
-    return "".join(parser.parts)
-
-
-def _defuse_html(html: str) -> str:
-    """Cut the markup down to constructs that end, in one linear pass, so html.parser stays linear.
-
-    The stdlib parser rescans to the end of the input for every unterminated construct (CPython
-    gh-135462, CVE-2025-6069; not fixed in Python 3.11.7, and similar inputs have been reported since):
-    40 kB of ``<a <a <a ...`` took 20 s here, a few MB would keep a worker busy for hours.
-
-    So the input is read the way a browser reads it first: comments and bogus comments (``<!...>``,
-    ``<?...>``, ``</ ...>``) are dropped, a tag, comment or script that never ends runs to the end of
-    the input and is dropped with it, and a ``<`` that starts nothing is text.
-    """
-    kept: list[str] = []
-    position = 0
-    while (start := html.find("<", position)) != -1:
-        kept.append(html[position:start])
-        head = html[start + 1 : start + 4]
-        if head.startswith("!--"):
-            end = html.find("-->", start + 2)
-            position = end + 3 if end != -1 else len(html)
-            continue
-        if head[:1] in ("!", "?") or (head[:1] == "/" and not _is_letter(head[1:2])):
-            end = html.find(">", start + 1)
-            position = end + 1 if end != -1 else len(html)
-            continue
-        tag = _TAG.match(html, start)
-        if tag is None:
-            if _is_letter(head[:1]) or head[:1] == "/":
-                break  # an unterminated tag swallows the rest of the input
-            kept.append("&lt;")
-            position = start + 1
-            continue
-        kept.append(tag.group())
-        position = tag.end()
-        raw_text = _RAW_TEXT_END.get(tag.group(1).lower()) if not tag.group().startswith("</") else None
-        if raw_text is not None:
-            closing = raw_text.search(html, position)
-            if closing is None:
-                break
-            kept.append(html[position : closing.start()])
-            position = closing.start()
-    else:
-        kept.append(html[position:])
-    return "".join(kept)
-
-
-def _is_letter(char: str) -> bool:
-    return char.isascii() and char.isalpha()
-
-
-def _decode_html(data: bytes) -> str:
-    """UTF-8 first; otherwise the charset a ``<meta>`` tag declares; otherwise UTF-8 with replacements."""
-    text = _decode_utf8(data)
-    if text is not None:
-        return text
-    declared = _META_CHARSET.search(data[:4096])
-    if declared:
-        try:
-            return data.decode(declared.group(1).decode("ascii"), errors="replace")
-        except LookupError:
-            pass
-    return data.decode("utf-8", errors="replace")
-
-
-# --------------------------------------------------------------------------------------------------
-# Markdown
-# --------------------------------------------------------------------------------------------------
-
-# Every pattern below scans a bounded stretch from each position (delimiter classes exclude the
-# delimiter itself), so stripping stays linear even on a hostile 25 MB single-line file.
-_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
-_RULE = re.compile(r"^ {0,3}([-*_=])(?:[ \t]*\1){2,}[ \t]*$")  # thematic break or setext underline
-_REF_DEFINITION = re.compile(r"^ {0,3}\[[^\]]+\]:\s+\S")
-_TABLE_SEPARATOR = re.compile(r"^ {0,3}\|?[ \t]*:?-+:?[ \t]*(?:\|[ \t]*:?-+:?[ \t]*)+\|?[ \t]*$")
-_BLOCKQUOTE = re.compile(r"^ {0,3}(?:>[ \t]?)+")
-_HEADING = re.compile(r"^ {0,3}#{1,6}(?:[ \t]+|$)")
-_LIST_MARKER = re.compile(r"^[ \t]*(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?")
-_BACKTICKS = re.compile(r"`+")
-_ESCAPED = re.compile(r"\\([\\`*_{}\[\]()#+\-.!>~|<])")
-_TARGET = r"\([^()\s]*(?:[ \t]+\"[^\"()]*\")?\)"  # (url) or (url "title")
-_INLINE: tuple[tuple[re.Pattern[str], str], ...] = (
-    (re.compile(r"!\[([^\[\]]*)\]" + _TARGET), r"\1"),  # image -> alt text
-    (re.compile(r"\[([^\[\]]+)\]" + _TARGET), r"\1"),  # [text](url)
-    (re.compile(r"\[([^\[\]]+)\]\[[^\[\]]*\]"), r"\1"),  # [text][ref]
-    (re.compile(r"<((?:https?|mailto):[^<>\s]+)>"), r"\1"),  # autolink
-    (re.compile(r"\*\*([^*\s](?:[^*]*[^*\s])?)\*\*"), r"\1"),
-    (re.compile(r"(?<![\w_])__([^_\s](?:[^_]*[^_\s])?)__(?![\w_])"), r"\1"),
-    (re.compile(r"(?<![\w*])\*([^*\s](?:[^*]*[^*\s])?)\*(?![\w*])"), r"\1"),
-    (re.compile(r"(?<![\w_])_([^_\s](?:[^_]*[^_\s])?)_(?![\w_])"), r"\1"),  # not snake_case
-    (re.compile(r"~~([^~\s](?:[^~]*[^~\s])?)~~"), r"\1"),
-)
-# Escaped characters hide in the Private Use Area while the syntax around them is stripped.
-_PUA = 0xE000
-# Code spans are set aside as numbered placeholders while the rest is stripped, again in the PUA.
-_PLACEHOLDER = re.compile("\ue100([\ue110-\ue119]+)\ue101")
-_PLACEHOLDER_CHARS = re.compile("[\ue100-\ue119]")
-_TO_PUA_DIGITS = str.maketrans("0123456789", "".join(chr(0xE110 + d) for d in range(10)))
-_FROM_PUA_DIGITS = {value: key for key, value in _TO_PUA_DIGITS.items()}
-
-
-def _markdown_text(data: bytes, limits: Limits) -> str:
-    text = _decode_utf8(data)
-    if text is None:  # detect_mime only says Markdown for UTF-8
-        raise UnsupportedFile("text is not valid UTF-8")
-    out: list[str] = []
-    fence: str | None = None
-    for line in text.splitlines():
-        opening = _FENCE.match(line)
-        if fence is not None:
-            if opening and opening.group(1)[0] == fence[0] and len(opening.group(1)) >= len(fence):
-                fence = None
-            else:
-                out.append(line)
-            continue
-        if opening:
-            fence = opening.group(1)
-            continue
-        if _RULE.match(line) or _REF_DEFINITION.match(line) or _TABLE_SEPARATOR.match(line):
-            out.append("")
-            continue
-        line = _BLOCKQUOTE.sub("", line)
-        heading = _HEADING.match(line)
-        if heading:
-            line = _without_closing_hashes(line[heading.end() :])
-        line = _LIST_MARKER.sub("", line)
-        stripped = line.strip()
-        if stripped.startswith("|") and stripped.endswith("|") and len(stripped) > 1:
-            line = "\t".join(cell.strip() for cell in stripped[1:-1].split("|"))
-        out.append(_markdown_inline(line))
-    return "\n".join(out)
-
-
-def _without_closing_hashes(title: str) -> str:
-    """``Title ##`` -> ``Title``; a ``#`` glued to a word (``C#``) is part of the title."""
-    title = title.rstrip()
-    bare = title.rstrip("#")
-    if bare == title:
-        return title
-    if not bare or bare[-1] in " \t":
-        return bare.rstrip()
-    return title
-
-
-def _markdown_inline(line: str) -> str:
-    """Strip inline syntax outside code spans; code spans keep their content verbatim.
-
-    A code span runs from a backtick string to the next one of the same length; a string without a
-    partner is literal text.
-    """
-    if "`" not in line:
-        return _markdown_emphasis(line)
-    runs = [(m.start(), m.end()) for m in _BACKTICKS.finditer(line)]
-    later: dict[int, list[int]] = {}  # run length -> indexes of such runs, last first
-    for index in range(len(runs) - 1, -1, -1):
-        later.setdefault(runs[index][1] - runs[index][0], []).append(index)
-    pieces: list[str] = []  # prose, then a placeholder for each code span
-    codes: list[str] = []
-    position = 0  # end of the text already handled
-    for index, (start, end) in enumerate(runs):
-        same = later[end - start]
-        while same and same[-1] <= index:
-            same.pop()
-        if start < position or not same:
-            continue
-        closing = runs[same.pop()]
-        code = line[end : closing[0]]
-        pieces.append(line[position:start])
-        pieces.append(f"\ue100{str(len(codes)).translate(_TO_PUA_DIGITS)}\ue101")
-        codes.append(code.strip() or code)
-        position = closing[1]
-    pieces.append(line[position:])
-    if _PLACEHOLDER_CHARS.search(line):
-        # The text already uses the placeholder code points: strip around the spans piece by piece.
-        prose = [_markdown_emphasis(text) for text in pieces[::2]]
-        return prose[0] + "".join(code + text for code, text in zip(codes, prose[1:], strict=True))
-    # One pass with placeholders costs far less than a pass per piece, and emphasis or a link may span
-    # a code span; a placeholder inside a dropped link target goes with it.
-    stripped = _markdown_emphasis("".join(pieces))
-    return _PLACEHOLDER.sub(lambda m: codes[int(m.group(1).translate(_FROM_PUA_DIGITS))], stripped)
-
-
-def _markdown_emphasis(segment: str) -> str:
-    if any(_PUA <= ord(c) < _PUA + 128 for c in segment):
-        # The text already uses those code points, so they cannot serve as placeholders here.
-        for pattern, replacement in _INLINE:
-            segment = pattern.sub(replacement, segment)
-        return _ESCAPED.sub(r"\1", segment)
-    segment = _ESCAPED.sub(lambda m: chr(_PUA + ord(m.group(1))), segment)
-    for pattern, replacement in _INLINE:
-        segment = pattern.sub(replacement, segment)
-    return "".join(chr(ord(c) - _PUA) if _PUA <= ord(c) < _PUA + 128 else c for c in segment)
-
-
-# --------------------------------------------------------------------------------------------------
-# Plain text
-# --------------------------------------------------------------------------------------------------
-
-
-def _plain_text(data: bytes, limits: Limits) -> str:
-    text = _decode_utf8(data)
-    if text is None:  # detect_mime only says text/plain for UTF-8
-        raise UnsupportedFile("text is not valid UTF-8")
-    return text

@@ -12,13 +12,30 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, bindparam, delete, insert, select, update
+from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db.dialect import db_now
 from tasks.files.chunking import Chunk
-from tasks.files.embedding import Embedder, pack
-from tasks.files.models import CANCELLED, FAILED, READY, TERMINAL, batches, chunks, files
+from tasks.files.models import (
+    CANCELLED,
+    CHUNKING,
+    EMBEDDING,
+    EXTRACTING,
+    FAILED,
+    QUEUED,
+    READY,
+    TERMINAL,
+    batches,
+    chunks,
+    files,
+)
+
+PROGRESS_STATES = (QUEUED, EXTRACTING, CHUNKING, EMBEDDING, READY, FAILED, CANCELLED)
+
+
+class BatchClosed(Exception):
+    """The batch takes no more files: sealed, or it has its expected count."""
 
 Emit = Callable[[str, Mapping[str, Any]], None]
 
@@ -58,6 +75,7 @@ def transition(
         "file.status_changed",
         {
             "file_id": file_id,
+            "owner": before["owner"],
             "from": before["status"],
             "to": to,
             "batch_id": before["batch_id"],
@@ -65,18 +83,30 @@ def transition(
             "chunk_count": values.get("chunk_count", before["chunk_count"]),
         },
     )
-    if to in TERMINAL and before["batch_id"]:
-        count_terminal(conn, before["batch_id"], to, emit)
+    batch_id = before["batch_id"]
+    if batch_id:
+        if to in TERMINAL:
+            row = _recount(conn, batch_id, to, +1, emit)
+            if row is not None and row["status"] != "completed":
+                progress(conn, batch_id, emit)
+                try_complete(conn, batch_id, emit)
+        else:
+            progress(conn, batch_id, emit)
     return before
 
 
-def count_terminal(conn: Connection, batch_id: str, outcome: str, emit: Emit) -> None:
-    """One more terminal file in ``batch_id``; completes the batch if that was the last."""
-    row = _recount(conn, batch_id, outcome, +1, emit)
-    if row is None or row["status"] == "completed":
+def progress(conn: Connection, batch_id: str, emit: Emit) -> None:
+    """``batch.progress``: how many of the batch's files are in each state, as the seed's."""
+    batch = batch_summary(conn, batch_id)
+    if batch is None:
         return
-    emit("batch.progress", {"batch_id": batch_id, **_counts(row)})
-    try_complete(conn, batch_id, emit)
+    rows = conn.execute(
+        select(files.c.status, func.count()).where(files.c.batch_id == batch_id).group_by(files.c.status)
+    ).all()
+    counts = {str(state): int(n) for state, n in rows}
+    body: dict[str, Any] = {"batch_id": batch_id, "owner": batch["owner"], "total": batch["total"]}
+    body.update({state: counts.get(state, 0) for state in PROGRESS_STATES})
+    emit("batch.progress", body)
 
 
 def revive(conn: Connection, file_id: str, to: str, emit: Emit) -> bool:
@@ -106,6 +136,7 @@ def _recount(conn: Connection, batch_id: str, outcome: str, delta: int, emit: Em
             .values({batches.c.terminal: batches.c.terminal + delta, column: column + delta})
             .returning(
                 batches.c.status,
+                batches.c.owner,
                 batches.c.terminal,
                 batches.c.total,
                 batches.c.ready,
@@ -125,6 +156,56 @@ def _counts(row: RowMapping) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k != "status"}
 
 
+def count_upload(conn: Connection, batch_id: str, emit: Emit) -> None:
+    """Count one more file in an open batch; the upload that reaches ``expected`` seals it.
+
+    Raises :class:`BatchClosed` when the batch is sealed or full (under its row lock, so a
+    seal racing the upload wins cleanly: the file is not counted and the caller drops it).
+    """
+    full = and_(batches.c.expected.is_not(None), batches.c.total + 1 >= batches.c.expected)
+    row = (
+        conn.execute(
+            update(batches)
+            .where(
+                batches.c.id == batch_id,
+                batches.c.sealed.is_(False),
+                or_(batches.c.expected.is_(None), batches.c.total < batches.c.expected),
+            )
+            .values(
+                total=batches.c.total + 1,
+                sealed=case((full, True), else_=False),
+                status=case((full, "processing"), else_=batches.c.status),
+            )
+            .returning(batches.c.sealed, batches.c.owner, batches.c.total, batches.c.expected)
+        )
+        .mappings()
+        .one_or_none()
+    )
+    if row is None:
+        raise BatchClosed(f"batch {batch_id} is sealed or has all its expected files")
+    if row["sealed"]:
+        emit("batch.sealed", {"batch_id": batch_id, "owner": row["owner"], "total": row["total"]})
+
+
+def seal(conn: Connection, batch_id: str, emit: Emit, *, owner: str | None = None) -> RowMapping | None:
+    """No more files: the batch completes once every counted file is terminal (maybe now).
+
+    Idempotent; None when there is no such batch (of ``owner``, when given).
+    """
+    where = [batches.c.id == batch_id] + ([batches.c.owner == owner] if owner is not None else [])
+    sealed_now = conn.execute(
+        update(batches)
+        .where(*where, batches.c.sealed.is_(False))
+        .values(sealed=True, status="processing")
+        .returning(batches.c.owner, batches.c.total)
+    ).one_or_none()
+    if sealed_now is not None:
+        emit("batch.sealed", {"batch_id": batch_id, "owner": sealed_now.owner, "total": sealed_now.total})
+        try_complete(conn, batch_id, emit)
+    row = conn.execute(select(batches).where(*where)).mappings().one_or_none()
+    return row
+
+
 def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
     """Flip the batch to ``completed`` if sealed and every file is terminal; idempotent."""
     row = (
@@ -137,7 +218,9 @@ def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
                 batches.c.status != "completed",
             )
             .values(status="completed", completed_at=db_now())
-            .returning(batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled)
+            .returning(
+                batches.c.owner, batches.c.total, batches.c.ready, batches.c.failed, batches.c.cancelled
+            )
         )
         .mappings()
         .one_or_none()
@@ -158,21 +241,13 @@ def replace_chunks(conn: Connection, file_id: str, owner: str, pieces: Sequence[
         )
 
 
-def embed_chunks(conn: Connection, file_id: str, embedder: Embedder) -> int:
-    """Embed the file's chunks and store their vectors (one round trip); returns how many."""
-    rows = conn.execute(
-        select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == file_id).order_by(chunks.c.ordinal)
-    ).all()
-    if rows:  # psycopg pipelines the executemany
-        vectors = embedder.embed([r.text for r in rows])
+def write_vectors(conn: Connection, model: str, vectors: Sequence[tuple[int, bytes]]) -> None:
+    """Store packed vectors by chunk id (one executemany; psycopg pipelines it)."""
+    if vectors:
         conn.execute(
             update(chunks).where(chunks.c.id == bindparam("chunk_id")),
-            [
-                {"chunk_id": r.id, "embedding": pack(v), "model": embedder.name}
-                for r, v in zip(rows, vectors, strict=True)
-            ],
+            [{"chunk_id": chunk_id, "embedding": vector, "model": model} for chunk_id, vector in vectors],
         )
-    return len(rows)
 
 
 def batch_summary(conn: Connection, batch_id: str) -> RowMapping | None:

@@ -21,6 +21,9 @@ from conveyor.db.schema import BigId
 metadata = MetaData()
 
 # File states. ready/failed/cancelled are terminal and counted once in their batch.
+# ``uploading``: the row exists before its content is stored, so a failed or killed upload
+# leaves a row the reconciler can find (and whose object it deletes), never an orphan object.
+UPLOADING = "uploading"
 UPLOADED = "uploaded"
 QUEUED = "queued"
 EXTRACTING = "extracting"
@@ -30,14 +33,17 @@ READY = "ready"
 FAILED = "failed"
 CANCELLED = "cancelled"
 TERMINAL = (READY, FAILED, CANCELLED)
+ACTIVE = (QUEUED, EXTRACTING, CHUNKING, EMBEDDING)
 
 batches = Table(
     "file_batches",
     metadata,
     Column("id", String(36), primary_key=True),
     Column("owner", String(200), nullable=False),
+    # Sealed: no more files. A batch created with ``expected`` seals itself at its last upload.
     Column("sealed", Boolean, nullable=False, default=False),
-    Column("total", Integer, nullable=False, default=0),
+    Column("expected", Integer, nullable=True),
+    Column("total", Integer, nullable=False, default=0),  # files counted in the batch
     Column("terminal", Integer, nullable=False, default=0),
     Column("ready", Integer, nullable=False, default=0),
     Column("failed", Integer, nullable=False, default=0),
@@ -58,6 +64,7 @@ files = Table(
     Column("content_ref", String(1000), nullable=False),
     Column("checksum", String(64), nullable=False),
     Column("mime", String(200), nullable=True),
+    Column("encoding", String(50), nullable=True),  # text documents: the detected charset
     Column("status", String(20), nullable=False),
     Column("pages", Integer, nullable=True),
     Column("text", Text, nullable=True),
@@ -69,6 +76,7 @@ files = Table(
     Column("updated_at", Timestamp(), nullable=False),
     Index("ix_files_batch", "batch_id", "status"),
     Index("ix_files_owner", "owner"),
+    Index("ix_files_status_updated", "status", "updated_at"),
 )
 
 chunks = Table(

@@ -10,28 +10,48 @@ header, so a failed file never blocks its batch.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from functools import cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, delete, select
 
 from config.celery_app import platform
 from config.settings import Settings, get_settings
 from conveyor.context import JobContext
-from conveyor.db.dialect import relax_commit
-from conveyor.errors import SkipJob
+from conveyor.db.dialect import db_now_plus, relax_commit
+from conveyor.db.engine import reading
+from conveyor.errors import OutOfBounds, SkipJob, describe
+from conveyor.isolate import run_bounded
+from conveyor.logs import redact_text
 from conveyor.retry import Backoff
 from conveyor.store import new_event
 from tasks.files import flow
 from tasks.files.chunking import chunk_text
-from tasks.files.embedding import Embedder, load_embedder
+from tasks.files.embedding import Embedder, load_embedder, pack
+from tasks.files.errors import DocumentTooComplex
 from tasks.files.extract import Limits, extract
-from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, QUEUED, READY, TERMINAL
-from tasks.files.storage import Storage, storage_for
+from tasks.files.models import (
+    CHUNKING,
+    EMBEDDING,
+    EXTRACTING,
+    FAILED,
+    QUEUED,
+    READY,
+    TERMINAL,
+    UPLOADING,
+    chunks,
+    files,
+)
+from tasks.files.storage import Storage, storage_for, too_large
 
-QUEUE = "files"
+log = logging.getLogger("conveyor.files")
+
+QUEUES = {"extract": "file-extract", "chunk": "file-chunk", "embed": "file-embed"}
+BATCH_QUEUE = "batch-completion"
+_MIB = 1024 * 1024
 RETRY = Backoff(cap=30.0)  # base: the backoff_base setting (1 s by default)
 ATTEMPTS = 4  # the first try and 3 retries, delays in Postgres
 
@@ -81,7 +101,7 @@ def _on_dead(stage: str) -> Any:
 
     def hook(conn: Connection, payload: Any, error: BaseException) -> dict[str, Any]:
         file_id = str((payload or {}).get("file_id", ""))
-        message = (str(error).strip() or type(error).__name__)[:500]
+        message = redact_text(describe(error))[:500]
         flow.transition(
             conn,
             file_id,
@@ -117,6 +137,7 @@ def _on_stalled(stage: str) -> Any:
         row = flow.get_file(conn, file_id)
         body = {
             "file_id": file_id,
+            "owner": row["owner"] if row is not None else None,
             "batch_id": row["batch_id"] if row is not None else None,
             "stage": stage,
             "retry_count": attempts,
@@ -126,18 +147,33 @@ def _on_stalled(stage: str) -> Any:
     return hook
 
 
+def _found(file_id: str) -> str:
+    with reading(platform.engine) as conn:
+        row = flow.get_file(conn, file_id)
+    return str(row["status"]) if row is not None else "missing"
+
+
+def _skip(p: FileRef, found: str) -> SkipJob:
+    """The file is not where this stage expects it: end the job ``skipped``, write nothing.
+
+    A file found failed or cancelled goes on marked failed, so later stages skip at once.
+    """
+    failed = found in TERMINAL and found != READY
+    return SkipJob(f"file found {found}", {"file_id": p.file_id, "name": p.name, "failed": failed})
+
+
 def _begin(ctx: JobContext, p: FileRef, accept_from: tuple[str, ...], working: str) -> Mapping[str, Any]:
     """Enter the stage: pass failed files on, skip files found in an unexpected state.
 
     ``working`` is the stage's own state (a retry finds the file there); ``accept_from``
     are the states the stage may move the file out of (extract: ``queued``), committed at
-    once so that the stage shows while it runs. Returns the file row.
+    once so that the stage shows while it runs. Everything else is read without the
+    writer: on SQLite no stage computes inside a write transaction. Returns the file row.
     """
     if p.failed:
         raise SkipJob("file already failed", p.model_dump())
     if accept_from:
-        # Its own transaction, before the job's: a second connection opened while the
-        # job's holds SQLite's write lock would wait for it forever.
+        # Its own brief transaction, before the job's: the state shows while the stage runs.
         with platform.engine.begin() as conn:
             relax_commit(conn)  # a progress state: a retry from ``queued`` sets it again
             row = flow.get_file(conn, p.file_id)
@@ -148,12 +184,19 @@ def _begin(ctx: JobContext, p: FileRef, accept_from: tuple[str, ...], working: s
         if moved is not None:
             return {**moved, "status": working}
     else:
-        row = flow.get_file(ctx.connection, p.file_id)
+        with reading(platform.engine) as conn:
+            row = flow.get_file(conn, p.file_id)
         found = str(row["status"]) if row is not None else "missing"
     if found == working and row is not None:
         return row
-    failed = found in TERMINAL and found != READY
-    raise SkipJob(f"file found {found}", {"file_id": p.file_id, "name": p.name, "failed": failed})
+    raise _skip(p, found)
+
+
+def _advance(ctx: JobContext, p: FileRef, from_state: str, to: str, **values: Any) -> None:
+    """The stage's outcome, first in the job's transaction (the writes follow it): a file
+    that moved meanwhile (cancelled, taken by another copy) ends the job ``skipped``."""
+    if flow.transition(ctx.connection, p.file_id, [from_state], to, _emitter(ctx), **values) is None:
+        raise _skip(p, _found(p.file_id))
 
 
 def _db_emit(conn: Connection) -> flow.Emit:
@@ -165,7 +208,7 @@ def _file_stage(verb: str, **policy: Any) -> Any:
     return platform.stage(
         f"conveyor.files.{verb}",
         payload=FileRef,
-        queue=QUEUE,
+        queue=QUEUES[verb],
         retry=RETRY,
         max_attempts=ATTEMPTS,
         label=_label,
@@ -177,52 +220,100 @@ def _file_stage(verb: str, **policy: Any) -> Any:
     )
 
 
+def _extract_file(path: str, name: str | None, max_bytes: int, max_pages: int) -> dict[str, Any]:
+    """In the bounded child: read the stored file and extract its text."""
+    with open(path, "rb") as handle:
+        data = handle.read(max_bytes + 1)
+    result = extract(data, name=name, limits=Limits(max_bytes=max_bytes, max_pages=max_pages))
+    return {
+        "text": result.text,
+        "mime": result.mime,
+        "pages": result.pages,
+        "encoding": getattr(result, "encoding", None),
+    }
+
+
+def memory_bound(max_bytes: int) -> int:
+    """How much a worker's memory may grow for one document: max(2 * max_bytes, 256 MiB)."""
+    return max(2 * max_bytes, 256 * 1024 * 1024)
+
+
 @_file_stage("extract", soft_time_limit=get_settings().files.extract_soft_time_limit)
 def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
-    """Read the content by reference and extract its text (PDF, DOCX, HTML, Markdown, text)."""
+    """Read the content by reference and extract its text (PDF, DOCX, HTML, Markdown, text).
+
+    The stored size is checked before anything is read, and the parsing runs in a child
+    process bounded in memory and time: a hostile document is refused as "document too
+    complex" instead of taking the worker with it.
+    """
     row = _begin(ctx, p, (QUEUED,), EXTRACTING)
-    limits = Limits(max_bytes=_settings().files.max_bytes, max_pages=_settings().files.max_pages)
-    result = extract(_storage(row["content_ref"]).get(row["content_ref"]), name=row["name"], limits=limits)
-    flow.transition(
-        ctx.connection,
-        p.file_id,
-        [EXTRACTING],
-        CHUNKING,
-        _emitter(ctx),
-        text=result.text,
-        mime=result.mime,
-        pages=result.pages,
-    )
+    settings = _settings().files
+    ref = row["content_ref"]
+    storage = _storage(ref)
+    size = storage.size(ref)
+    if size > settings.max_bytes:
+        raise too_large(settings.max_bytes, size)
+    bound = memory_bound(settings.max_bytes)
+    timeout = settings.extract_soft_time_limit * 0.9
+    with storage.local_path(ref) as path:
+        try:
+            out = run_bounded(
+                _extract_file, str(path), row["name"], settings.max_bytes, settings.max_pages,
+                memory=bound, timeout=timeout,
+            )  # fmt: skip
+        except OutOfBounds as exc:
+            limit = f"{bound // _MIB} MiB of memory" if exc.reason == "memory" else f"{timeout:.0f} s"
+            raise DocumentTooComplex(f"document too complex: extracting it needs more than {limit}") from exc
+    _advance(
+        ctx, p, EXTRACTING, CHUNKING,
+        text=out["text"], mime=out["mime"], pages=out["pages"], encoding=out["encoding"],
+    )  # fmt: skip
     return {"file_id": p.file_id, "name": p.name}
 
 
 @_file_stage("chunk")
 def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
-    """Split the text into overlapping, token-bounded chunks."""
+    """Split the text into overlapping, token-bounded chunks (computed before any write)."""
     row = _begin(ctx, p, (), CHUNKING)
-    conn = ctx.connection
     settings = _settings().files
     pieces = chunk_text(row["text"] or "", max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap)
-    flow.replace_chunks(conn, p.file_id, row["owner"], pieces)
-    flow.transition(conn, p.file_id, [CHUNKING], EMBEDDING, _emitter(ctx), chunk_count=len(pieces))
+    _advance(ctx, p, CHUNKING, EMBEDDING, chunk_count=len(pieces))
+    flow.replace_chunks(ctx.connection, p.file_id, row["owner"], pieces)
     return {"file_id": p.file_id, "name": p.name}
+
+
+EMBED_BATCH = 256
 
 
 @_file_stage("embed")
 def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
-    """Embed every chunk and mark the file ``ready`` (counted in its batch)."""
+    """Embed every chunk and mark the file ``ready`` (counted in its batch).
+
+    Vectors are computed (and packed, batch by batch) before the job's transaction opens.
+    """
     _begin(ctx, p, (), EMBEDDING)
-    conn = ctx.connection
-    flow.embed_chunks(conn, p.file_id, _embedder(_settings().files.embedder))
-    before = flow.transition(conn, p.file_id, [EMBEDDING], READY, _emitter(ctx))
-    if before is None:
-        raise SkipJob("file left embedding meanwhile", {"file_id": p.file_id, "name": p.name})
+    embedder = _embedder(_settings().files.embedder)
+    with reading(platform.engine) as conn:
+        rows = conn.execute(
+            select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == p.file_id).order_by(chunks.c.ordinal)
+        ).all()
+    vectors: list[tuple[int, bytes]] = []
+    for start in range(0, len(rows), EMBED_BATCH):
+        ctx.checkpoint(fresh=False)
+        part = rows[start : start + EMBED_BATCH]
+        computed = embedder.embed([r.text for r in part])
+        vectors.extend((r.id, pack(v)) for r, v in zip(part, computed, strict=True))
+    del rows
+    _advance(ctx, p, EMBEDDING, READY)
+    flow.write_vectors(ctx.connection, embedder.name, vectors)
     return {"file_id": p.file_id, "name": p.name}
 
 
-@platform.stage("conveyor.files.complete_batch", payload=BatchRef, queue=QUEUE, label=lambda p: p.batch_id)
+@platform.stage(
+    "conveyor.files.complete_batch", payload=BatchRef, queue=BATCH_QUEUE, label=lambda p: p.batch_id
+)
 def complete_batch(ctx: JobContext, p: BatchRef) -> dict[str, Any]:
-    """The chord body: only asks Postgres whether the batch is complete (idempotent)."""
+    """The chord body: only asks the database whether the batch is complete (idempotent)."""
     flow.try_complete(ctx.connection, p.batch_id, _emitter(ctx))
     summary = flow.batch_summary(ctx.connection, p.batch_id)
     return {k: summary[k] for k in ("total", "ready", "failed", "cancelled", "status")} if summary else {}
@@ -232,22 +323,45 @@ class NoArgs(BaseModel):
     """No payload."""
 
 
-@platform.stage("conveyor.files.reconcile", payload=NoArgs, queue=QUEUE)
+@platform.stage("conveyor.files.reconcile", payload=NoArgs, queue=BATCH_QUEUE)
 def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
-    """Periodic: complete any sealed batch whose files are all terminal (lost chord counter)."""
+    """Periodic: complete any sealed batch whose files are all terminal (lost chord counter),
+    and sweep uploads whose process died half way (their object, then their row)."""
     from tasks.files.models import batches
 
-    conn = ctx.connection
-    open_ids = (
-        conn.execute(
-            select(batches.c.id).where(
-                batches.c.sealed.is_(True),
-                batches.c.status != "completed",
-                batches.c.terminal >= batches.c.total,
+    with reading(platform.engine) as conn:
+        open_ids = (
+            conn.execute(
+                select(batches.c.id).where(
+                    batches.c.sealed.is_(True),
+                    batches.c.status != "completed",
+                    batches.c.terminal >= batches.c.total,
+                )
             )
+            .scalars()
+            .all()
         )
-        .scalars()
-        .all()
-    )
-    done = sum(1 for b in open_ids if flow.try_complete(conn, b, _emitter(ctx)))
-    return {"completed": done}
+    done = sum(1 for b in open_ids if flow.try_complete(ctx.connection, b, _emitter(ctx)))
+    return {"completed": done, "swept": sweep_uploads(older_than=_settings().files.stale_upload_after)}
+
+
+def sweep_uploads(*, older_than: float) -> int:
+    """Remove uploads that never finished (their process died): object first, then row."""
+    with reading(platform.engine) as conn:
+        stale = conn.execute(
+            select(files.c.id, files.c.content_ref).where(
+                files.c.status == UPLOADING, files.c.updated_at < db_now_plus(-older_than)
+            )
+        ).all()
+    swept = 0
+    for file_id, ref in stale:
+        try:
+            _storage(ref).delete(ref)
+        except Exception:
+            log.warning("could not delete the object of stale upload %s", file_id, exc_info=True)
+            continue
+        with platform.engine.begin() as conn:
+            swept += conn.execute(
+                delete(files).where(files.c.id == file_id, files.c.status == UPLOADING)
+            ).rowcount
+    return swept

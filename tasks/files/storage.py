@@ -20,15 +20,21 @@ Errors, on the platform's retry policy:
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.files.errors import ContentMissing, FileRejected, StorageUnavailable
+from tasks.files.errors import ContentMissing, FileRejected, FileTooLarge, StorageUnavailable
 
 __all__ = [
     "InvalidReference",
@@ -37,7 +43,9 @@ __all__ = [
     "S3Storage",
     "Storage",
     "StorageRejected",
+    "Stored",
     "storage_for",
+    "too_large",
 ]
 
 FILE_SCHEME = "file://"
@@ -68,11 +76,76 @@ class InvalidReference(FileRejected, ValueError):
     """A key or reference that this storage cannot serve (bad scheme, escapes the root...)."""
 
 
+_CHUNK = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Stored:
+    """What :meth:`Storage.put_stream` wrote: the reference, the size and the SHA-256."""
+
+    ref: str
+    size: int
+    checksum: str
+
+
+def spool(source: IO[bytes], directory: Path | None, max_bytes: int) -> tuple[Path, int, str]:
+    """Copy ``source`` into a temporary file, 1 MiB at a time; returns (path, size, sha256).
+
+    Refuses (:class:`FileTooLarge`) as soon as more than ``max_bytes`` arrived, without
+    reading the rest: memory stays at one buffer whatever the upload's size.
+    """
+    digest = hashlib.sha256()
+    size = 0
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".upload.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            while block := source.read(_CHUNK):
+                size += len(block)
+                if size > max_bytes:
+                    raise too_large(max_bytes)
+                digest.update(block)
+                handle.write(block)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return Path(tmp), size, digest.hexdigest()
+
+
+def _mib(n: int) -> str:
+    return f"{n / 1024 / 1024:.1f}".removesuffix(".0") + " MiB"
+
+
+def too_large(max_bytes: int, size: int | None = None) -> FileTooLarge:
+    """The error for content over ``max_bytes`` (its size, when known)."""
+    if size is None:
+        return FileTooLarge(f"file is over the {_mib(max_bytes)} limit")
+    return FileTooLarge(f"file is {_mib(size)}, over the {_mib(max_bytes)} limit")
+
+
 class Storage(Protocol):
     """Where file content lives; references are opaque strings to everyone else."""
 
+    def ref_for(self, key: str) -> str:
+        """The reference that ``put(key, ...)`` returns."""
+        ...
+
     def put(self, key: str, data: bytes) -> str:
         """Store ``data`` under ``key`` (replacing any previous content) and return its reference."""
+        ...
+
+    def put_stream(self, key: str, source: IO[bytes], max_bytes: int) -> Stored:
+        """Stream ``source`` to ``key`` without buffering it; :class:`FileTooLarge` past ``max_bytes``
+        (and then nothing is stored)."""
+        ...
+
+    def size(self, ref: str) -> int:
+        """The stored size of ``ref`` in bytes, without reading it."""
+        ...
+
+    def local_path(self, ref: str) -> AbstractContextManager[Path]:
+        """A local file holding the content of ``ref`` for the duration of the block."""
         ...
 
     def get(self, ref: str) -> bytes:
@@ -126,25 +199,42 @@ class LocalStorage:
 
     def put(self, key: str, data: bytes) -> str:
         """Write ``data`` atomically to ``root/key`` and return ``file://<key>``."""
+        return self.put_stream(key, io.BytesIO(data), max_bytes=len(data)).ref
+
+    def put_stream(self, key: str, source: IO[bytes], max_bytes: int) -> Stored:
+        """Stream ``source`` into ``root/key`` (atomically, as :meth:`put`)."""
         path = self._path_for_key(key)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            tmp, size, checksum = spool(source, path.parent, max_bytes)
             try:
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(data)
-                    handle.flush()
-                    os.fsync(handle.fileno())
                 os.replace(tmp, path)
             except BaseException:
-                Path(tmp).unlink(missing_ok=True)
+                tmp.unlink(missing_ok=True)
                 raise
             self._fsync_dir(path.parent)
         except PermissionError as exc:
             raise StorageRejected(f"storage refused put {key!r}: {exc}") from exc
         except OSError as exc:
             raise StorageUnavailable(f"storage unavailable (put {key!r}): {exc}") from exc
-        return FILE_SCHEME + key
+        return Stored(FILE_SCHEME + key, size, checksum)
+
+    def size(self, ref: str) -> int:
+        """The file's size from ``stat``."""
+        try:
+            return self._path(ref).stat().st_size
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise ContentMissing(f"content not found: {ref}") from exc
+        except OSError as exc:
+            raise StorageUnavailable(f"storage unavailable (stat {ref}): {exc}") from exc
+
+    @contextmanager
+    def local_path(self, ref: str) -> Iterator[Path]:
+        """The file itself: nothing is copied."""
+        path = self._path(ref)
+        if not path.exists() or path.is_dir():
+            raise ContentMissing(f"content not found: {ref}")
+        yield path
 
     @staticmethod
     def _fsync_dir(directory: Path) -> None:
@@ -177,10 +267,16 @@ class LocalStorage:
         return self._path(ref).is_file()
 
     def delete(self, ref: str) -> None:
-        """Remove the file behind ``ref`` if it exists."""
+        """Remove the file behind ``ref`` if it exists, with the partial writes of an upload
+        that died beside it (its temporary files), and its directory once empty."""
         path = self._path(ref)
         try:
             path.unlink(missing_ok=True)
+            if path.parent.is_dir():
+                for partial in path.parent.glob(".*.tmp"):
+                    partial.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()  # only when empty
         except PermissionError as exc:
             raise StorageRejected(f"storage refused delete {ref}: {exc}") from exc
         except OSError as exc:
@@ -288,6 +384,51 @@ class S3Storage:
                 raise
             raise error from exc
         return ref
+
+    def put_stream(self, key: str, source: IO[bytes], max_bytes: int) -> Stored:
+        """Spool ``source`` to a local temporary file (bounded by ``max_bytes``), then upload it
+        (multipart for large files): an oversized upload never reaches the bucket."""
+        ref = self.ref_for(key)
+        tmp, size, checksum = spool(source, None, max_bytes)
+        try:
+            self._client.upload_file(str(tmp), self.bucket, key)
+        except Exception as exc:
+            error = _translate(exc, "put", ref, missing=StorageRejected)
+            if error is None:
+                raise
+            raise error from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        return Stored(ref, size, checksum)
+
+    def size(self, ref: str) -> int:
+        """``ContentLength`` from a HEAD request."""
+        key = self._key(ref)
+        try:
+            return int(self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"])
+        except Exception as exc:
+            error = _translate(exc, "size", ref, missing=ContentMissing)
+            if error is None:
+                raise
+            raise error from exc
+
+    @contextmanager
+    def local_path(self, ref: str) -> Iterator[Path]:
+        """The object downloaded (streamed) into a temporary file, removed afterwards."""
+        key = self._key(ref)
+        fd, tmp = tempfile.mkstemp(prefix=".download.", suffix=".tmp")
+        os.close(fd)
+        try:
+            try:
+                self._client.download_file(self.bucket, key, tmp)
+            except Exception as exc:
+                error = _translate(exc, "get", ref, missing=ContentMissing)
+                if error is None:
+                    raise
+                raise error from exc
+            yield Path(tmp)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
     def get(self, ref: str) -> bytes:
         """Download the object behind ``ref``."""

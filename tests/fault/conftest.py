@@ -63,3 +63,26 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGKILL the worker's main process and its pool children (a machine dying)."""
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=10)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (a worker's pool processes)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def memory_of(pid: int, key: str) -> int:
+    """A memory figure of ``pid`` in bytes from ``/proc/<pid>/status`` (``VmRSS``,
+    ``VmHWM``: the peak resident size)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)

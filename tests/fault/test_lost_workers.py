@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ from conveyor.db.dialect import db_now
 from conveyor.procs import service_env
 from conveyor.settings import ConveyorSettings
 from conveyor.store import counted_attempts
-from tests.fault.conftest import Spawn, kill_group
+from tests.fault.conftest import Spawn, children, kill_group
 from tests.fault.servers import PrivateRedis, private_redis
 from tests.fault.test_shutdown import open_barrier, started
 from tests.helpers import effect_count, eventually, job_row
@@ -40,24 +39,11 @@ def _db_now(platform: Any) -> Any:
         return conn.execute(select(db_now())).scalar_one()
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
-
-
 def test_message_taken_by_a_worker_killed_before_its_claim_runs_within_30s(
     platform: Any, spawn: Spawn, tag: str
 ) -> None:
     first = spawn(concurrency=1, env=DEFAULT_TIMERS)
-    (child,) = eventually(lambda: _children(first.pid), timeout=30)
+    (child,) = eventually(lambda: children(first.pid), timeout=30)
     os.kill(child, signal.SIGSTOP)  # it will take the next message and never claim it
     handle = platform.submit("conveyor.demo.effect", {"note": tag})
     r = platform.redis

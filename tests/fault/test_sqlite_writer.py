@@ -9,15 +9,11 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from config.migrations import upgrade
 from conveyor.db import schema as s
-from conveyor.db.engine import make_engine, sqlite_url
 from conveyor.procs import service_env
 from tests.fault.conftest import Spawn
 from tests.helpers import effect_count, eventually
@@ -26,20 +22,6 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.sqlite]
 
 HOLD = 8.0  # seconds the long body holds the writer
 
-
-@pytest.fixture
-def on_sqlite(platform: Any, tmp_path: Path) -> Iterator[Any]:
-    """The test platform pointed at a fresh SQLite file (same Redis), then back."""
-    url = sqlite_url(tmp_path)
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    redis_url, database_url = platform.settings.redis_url, platform.settings.database_url
-    platform.bind(redis_url=redis_url, database_url=url)
-    try:
-        yield platform
-    finally:
-        platform.bind(redis_url=redis_url, database_url=database_url)
 
 
 def _relay_pass(platform: Any) -> dict[str, Any] | None:

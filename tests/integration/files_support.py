@@ -75,3 +75,71 @@ def batch_events(platform: Any, topic: str, batch_id: str) -> list[dict[str, Any
 def completed_events(platform: Any, batch_id: str) -> int:
     """How many times ``batch.completed`` was written for ``batch_id``."""
     return len(batch_events(platform, "batch.completed", batch_id))
+
+
+def _empty_docx() -> bytes:
+    import io
+
+    import docx
+
+    out = io.BytesIO()
+    docx.Document().save(out)
+    return out.getvalue()
+
+
+SAVED_PAGE = (
+    b"<!-- saved from url=(0022)http://example.org/ -->\n<div><script>var tracker = 'pixel';</script>"
+    b"<p>The Fresnel lens of the lighthouse</p><style>p { color: red }</style>"
+    b"<template><p>hidden template text</p></template></div>"
+)
+
+# Hostile or ordinary-but-messy documents: name, bytes, and either the error type the file
+# must fail with on its first attempt, or None (it must reach ready).
+MESSY: list[tuple[str, bytes, str | None]] = [
+    ("nul.html", b"<html><body><p>Fresnel\x00 lens keeper</p></body></html>", None),
+    ("nul.txt", b"The lighthouse keeper\x00 logged the schooners.", None),
+    ("saved.html", SAVED_PAGE, None),
+    ("latin1.txt", "Le gardien du phare a nettoy\xe9 la lentille \xe0 l'aube.".encode("latin-1"), None),
+    ("utf16.txt", "Der Leuchtturmw\u00e4rter putzte die Linse.".encode("utf-16"), None),
+    ("empty.pdf", b"", "EmptyDocument"),
+    ("blank.txt", b"   \n\t \n  ", "EmptyDocument"),
+    ("empty.docx", _empty_docx(), "EmptyDocument"),
+]
+
+
+def check_messy(platform: Any, owner: str, ids: dict[str, str]) -> None:
+    """Each messy document ended as :data:`MESSY` says, failures on attempt 1 with a message."""
+    from sqlalchemy import func
+
+    from conveyor.db.schema import dead_letters, jobs
+
+    for name, _, error in MESSY:
+        row = file_row(platform, ids[name])
+        if error is None:
+            assert row["status"] == "ready", (name, row["error_type"], row["error"])
+            assert "\x00" not in row["text"] and row["chunk_count"] >= 1
+            assert (
+                "tracker" not in row["text"]
+                and "hidden template" not in row["text"]
+                and "color" not in row["text"]
+            )
+            continue
+        assert (row["status"], row["error_type"]) == ("failed", error), (name, row["error"])
+        assert row["error"].startswith("no text found"), row["error"]
+        with platform.engine.connect() as conn:
+            job = (
+                conn.execute(
+                    select(jobs).where(
+                        jobs.c.stage == "conveyor.files.extract",
+                        jobs.c.payload["file_id"].as_string() == ids[name],
+                    )
+                )
+                .mappings()
+                .one()
+            )
+            letters = conn.execute(
+                select(func.count()).select_from(dead_letters).where(dead_letters.c.job_id == job["id"])
+            ).scalar_one()
+        assert (job["status"], job["attempts"], letters) == ("dead", 1, 1), name
+    encodings = {name: file_row(platform, ids[name])["encoding"] for name in ("latin1.txt", "utf16.txt")}
+    assert encodings["utf16.txt"].startswith("utf_16") and encodings["latin1.txt"] in ("latin_1", "cp1252")

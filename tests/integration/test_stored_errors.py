@@ -29,3 +29,25 @@ def test_dead_letter_message_and_traceback_are_scrubbed(platform: Any, tag: str)
     for text in stored:
         assert secret not in text and "bob@" not in text
     assert "login failed" in letter["message"] and "@example.com" in letter["message"]
+
+
+def test_a_database_error_is_described_without_its_sql(platform: Any, tag: str) -> None:
+    """What a person reads for a refused write (the files' NUL-byte DataError) is the
+    driver's words, never the statement or its parameters."""
+    import pytest
+    from sqlalchemy import insert
+    from sqlalchemy.exc import DBAPIError
+
+    from conveyor.errors import describe
+    from tasks.files.models import files
+
+    with pytest.raises(DBAPIError) as caught, platform.engine.begin() as conn:
+        conn.execute(
+            insert(files).values(
+                id=tag, owner=tag, name="nul\x00.txt", size=0, content_ref="", checksum="", status="uploaded",
+                created_at=None, updated_at=None,
+            )
+        )  # fmt: skip
+    text = describe(caught.value)
+    assert text.startswith("database error (") and "NUL" in text
+    assert "INSERT" not in text and "[SQL" not in text and "nul\x00" not in text

@@ -5,13 +5,16 @@ The fixtures live in tests/fixtures/files (see the README there for provenance a
 
 from __future__ import annotations
 
+import gzip
 import io
+import random
 import re
 import shutil
 import time
 import zipfile
 from pathlib import Path
 
+import docx
 import pytest
 from pypdf import PdfReader, PdfWriter
 from pypdf.generic import StreamObject
@@ -19,6 +22,8 @@ from pypdf.generic import StreamObject
 from conveyor.errors import is_permanent
 from tasks.files.errors import (
     CorruptFile,
+    DocumentTooComplex,
+    EmptyDocument,
     EncryptedPdf,
     FileRejected,
     FileTooLarge,
@@ -91,14 +96,17 @@ def test_names_never_override_the_content() -> None:
 def test_html_detection_allows_bom_whitespace_and_any_case() -> None:
     assert detect_mime(b"\xef\xbb\xbf \n\t<!DocType HTML><p>x") == "text/html"
     assert detect_mime(b"<HTML><body>x</body></HTML>") == "text/html"
-    assert detect_mime(b"<p>a fragment is not a page</p>") == "text/plain"
+    # A fragment starting with an HTML element is HTML too (it was text/plain before lxml sniffing).
+    assert detect_mime(b"<p>a fragment is still HTML</p>") == "text/html"
 
 
-def test_plain_text_needs_valid_utf8_without_nul() -> None:
+def test_plain_text_in_any_encoding_with_a_stray_nul() -> None:
     assert detect_mime("Grüße".encode()) == "text/plain"
     assert detect_mime(b"\xef\xbb\xbfwith bom") == "text/plain"
-    assert detect_mime("Grüße".encode("latin-1")) == "application/octet-stream"
-    assert detect_mime(b"text\x00with a nul") == "application/octet-stream"
+    # Not UTF-8 is no longer binary: charset-normalizer decodes it (it was octet-stream before).
+    assert detect_mime("Grüße aus Köln".encode("latin-1")) == "text/plain"
+    # One NUL does not make text binary (it was octet-stream before); it is removed from the text.
+    assert detect_mime(b"text\x00with a nul") == "text/plain"
     # One heading alone is not enough to call text Markdown without the name.
     assert detect_mime(b"# a shell-style comment\nplain line") == "text/plain"
 
@@ -290,7 +298,8 @@ def test_plain_text_is_normalized() -> None:
 
 def test_normalization_rules() -> None:
     assert extract(b"\r\n\r\n  a  \r\n\r\n\r\n\r\nb\rc\n\n\n").text == "  a\n\nb\nc"
-    assert extract(b"").text == ""
+    with pytest.raises(EmptyDocument, match=r"^no text found: the file is empty$"):
+        extract(b"")  # an empty text used to be returned as ""
 
 
 # --------------------------------------------------------------------------------------------------
@@ -366,9 +375,10 @@ def test_binary_is_unsupported() -> None:
     assert str(info.value) == "unsupported file type (detected application/octet-stream)"
 
 
-def test_invalid_utf8_text_is_unsupported() -> None:
-    with pytest.raises(UnsupportedFile):
-        extract("Grüße aus Köln".encode("latin-1"), name="letter.txt")
+def test_latin1_text_is_decoded_not_unsupported() -> None:
+    # It used to raise UnsupportedFile ("text is not valid UTF-8").
+    result = extract("Grüße aus Köln, schöne Straße.".encode("latin-1"), name="letter.txt")
+    assert result.text == "Grüße aus Köln, schöne Straße." and result.encoding == "cp1252"
 
 
 def test_size_limit_is_checked_first() -> None:
@@ -400,12 +410,280 @@ def test_page_limit() -> None:
 
 
 def test_every_rejection_is_permanent() -> None:
-    for error in [UnsupportedFile, CorruptFile, EncryptedPdf, NoTextLayer, FileTooLarge, TooManyPages]:
+    for error in [
+        UnsupportedFile, CorruptFile, EncryptedPdf, NoTextLayer, FileTooLarge, TooManyPages,
+        EmptyDocument, DocumentTooComplex,
+    ]:  # fmt: skip
         assert issubclass(error, FileRejected) and is_permanent(error("x"))
 
 
 def test_extracted_is_frozen() -> None:
     result = extract(b"hello")
-    assert result == Extracted(text="hello", mime="text/plain", pages=None)
+    assert result == Extracted(text="hello", mime="text/plain", pages=None, encoding="utf_8")
     with pytest.raises(AttributeError):
         result.text = "changed"  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------------
+# Control characters
+# --------------------------------------------------------------------------------------------------
+
+# Seven control characters in a line of ordinary length: text with stray controls, not binary.
+CONTROLS = "a\x00b\x01c\x07d\x1be\x7ff\x80g\x9fh, then a line of ordinary text long enough to be text"
+
+
+@pytest.mark.parametrize(
+    ("data", "name"),
+    [
+        pytest.param(f"Title\n\n{CONTROLS}\n".encode(), "notes.txt", id="text"),
+        pytest.param(f"# Title\n\n{CONTROLS}\n".encode(), "notes.md", id="markdown"),
+        pytest.param(f"<html><body><h1>Title</h1><p>{CONTROLS}</p></body></html>".encode(), None, id="html"),
+        pytest.param(f"Title\n\n{CONTROLS}\n".encode("utf-16"), None, id="utf-16"),
+    ],
+)
+def test_nul_and_control_characters_are_removed_from_every_format(data: bytes, name: str | None) -> None:
+    result = extract(data, name=name)
+    assert result.text == "Title\n\nabcdefgh, then a line of ordinary text long enough to be text"
+
+
+def test_control_line_breaks_become_newlines() -> None:
+    # \r\n, \r, \v, \f and NEL end lines; a tab stays.
+    assert extract("a\r\nb\rc\vd\fe\x85f\tg".encode()).text == "a\nb\nc\nd\ne\nf\tg"
+
+
+def test_a_text_file_with_one_nul_is_plain_text() -> None:
+    result = extract(b"A line of text\x00 with one NUL byte in it.\n", name="log.txt")
+    assert result.mime == "text/plain" and result.text == "A line of text with one NUL byte in it."
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(random.Random(7).randbytes(4096), id="random"),
+        pytest.param(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(range(256)) * 8, id="png"),
+        pytest.param(b"\x7fELF\x02\x01\x01\x00" + bytes(56) + bytes(range(256)) * 8, id="elf"),
+        pytest.param(b"MZ\x90\x00\x03\x00\x00\x00\x04\x00" + bytes(200), id="exe"),
+        pytest.param(gzip.compress(b"text inside an archive " * 100, mtime=0), id="gzip"),
+        pytest.param(bytes(1000), id="zeros"),
+        pytest.param(b"text\x00" * 200, id="mostly-nul"),
+    ],
+)
+def test_real_binary_stays_unsupported(data: bytes) -> None:
+    assert detect_mime(data, "notes.txt") == "application/octet-stream"
+    with pytest.raises(UnsupportedFile, match=r"^unsupported file type \(detected application/octet-stream"):
+        extract(data, name="notes.txt")
+
+
+def test_text_that_starts_like_a_magic_number_is_text() -> None:
+    # puremagic calls these an executable and a bitmap; valid UTF-8 text wins.
+    assert detect_mime(b"MZ is the abbreviation used in this report.") == "text/plain"
+    assert detect_mime(b"BM stands for bowel movement in the notes.") == "text/plain"
+
+
+# --------------------------------------------------------------------------------------------------
+# Empty documents
+# --------------------------------------------------------------------------------------------------
+
+
+def _empty_docx() -> bytes:
+    buffer = io.BytesIO()
+    docx.Document().save(buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("name", ["empty.pdf", "empty.docx", "empty.txt", "empty.md", None])
+def test_a_zero_byte_file_is_an_empty_document(name: str | None) -> None:
+    with pytest.raises(EmptyDocument) as info:
+        extract(b"", name=name)
+    assert str(info.value) == "no text found: the file is empty"
+    assert is_permanent(info.value)
+
+
+BLANK = "no text found: the file holds only whitespace or control characters"
+
+
+@pytest.mark.parametrize(
+    ("data", "name", "message"),
+    [
+        (b" \n\t\r\n  \n", "blank.txt", BLANK),
+        ("\ufeff \u3000\n".encode(), None, BLANK),
+        (b" " * 40 + b"\x00\n\x01\n", "nul.txt", BLANK),
+        (b"# \n\n---\n", "rule.md", "no text found in the document"),
+        (
+            b"<html><head><title>Only a title</title><script>var x = 1;</script></head>"
+            b"<body><style>p {}</style><div> &nbsp; </div><img src='a.png'></body></html>",
+            None,
+            "no text found: the page has no visible text",
+        ),
+        (_empty_docx(), "empty.docx", "no text found in the document"),
+    ],
+    ids=["whitespace", "unicode-spaces", "spaces-and-controls", "markdown-syntax-only", "html", "docx"],
+)
+def test_documents_without_text_are_empty(data: bytes, name: str | None, message: str) -> None:
+    with pytest.raises(EmptyDocument) as info:
+        extract(data, name=name)
+    assert str(info.value) == message and str(info.value).startswith("no text found")
+
+
+def test_no_text_layer_is_an_empty_document() -> None:
+    assert issubclass(NoTextLayer, EmptyDocument)
+    with pytest.raises(EmptyDocument, match=r"^no text layer \(OCR not supported\)$"):
+        extract(read("scanned-blank.pdf"))
+
+
+# --------------------------------------------------------------------------------------------------
+# HTML sniffing and text
+# --------------------------------------------------------------------------------------------------
+
+XHTML = b"""<?xml version="1.0" encoding="utf-8"?>
+<!DOCTYPE html PUBLIC "-//W3C//DTD XHTML 1.0 Strict//EN" "http://www.w3.org/TR/xhtml1/DTD/xhtml1-strict.dtd">
+<html xmlns="http://www.w3.org/1999/xhtml"><head><title>Head</title></head>
+<body><p>Strict &amp; proper</p></body></html>
+"""
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        pytest.param(
+            b"<!-- saved from url=(0014)about:internet -->\r\n<HTML><BODY><P>Saved page</P></BODY></HTML>",
+            "Saved page",
+            id="saved-from-url",
+        ),
+        pytest.param(XHTML, "Strict & proper", id="xhtml-prolog-doctype"),
+        pytest.param(
+            b'<?xml version="1.0"?>\n<html xmlns="http://www.w3.org/1999/xhtml"><body>NS only</body></html>',
+            "NS only",
+            id="xhtml-namespace",
+        ),
+        pytest.param(b"\xef\xbb\xbf\n  <div>In a <b>div</b></div>", "In a div", id="div-fragment"),
+        pytest.param(b"<p>One</p><p>Two</p>", "One\n\nTwo", id="p-fragment"),
+        pytest.param(b"<table><tr><td>a</td><td>b</td></tr></table>", "a\tb", id="table-fragment"),
+        pytest.param(b"<!-- note --><section class='x'>Part</section>", "Part", id="comment-section"),
+    ],
+)
+def test_html_is_recognised_without_a_leading_html_tag(data: bytes, text: str) -> None:
+    assert detect_mime(data) == "text/html"
+    assert detect_mime(data, "page.txt") == "text/html"
+    assert extract(data).text == text
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"Use <b>bold</b> sparingly, and <p> tags for paragraphs.",
+        b"<john@example.org> wrote:\n> quoted",
+        b'<?xml version="1.0"?>\n<rss><channel>feed</channel></rss>',
+        b"<!DOCTYPE note>\n<note>xml</note>",
+        b"<!-- a comment that never ends",
+    ],
+)
+def test_text_that_merely_contains_tags_is_not_html(data: bytes) -> None:
+    assert detect_mime(data) == "text/plain"
+
+
+def test_markdown_starting_with_html_follows_its_name() -> None:
+    source = b'<p align="center"><img alt="Logo" src="l.png"></p>\n\n# Project\n\nSee [the docs](https://x.org).\n'
+    assert detect_mime(source) == "text/html"
+    assert detect_mime(source, "README.md") == "text/markdown"
+    assert extract(source, name="README.md").text == "Project\n\nSee the docs."
+    # A whole page stays HTML whatever its name.
+    assert detect_mime(read("beekeeping.html"), "beekeeping.md") == "text/html"
+
+
+def test_html_visible_text_only() -> None:
+    page = (
+        b"<html><head><title>T</title><style>.x{}</style></head><body>"
+        b"<noscript>enable js</noscript><template><p>later</p></template>"
+        b"<h1>Heading</h1><p>Some   <i>spaced</i>\n   words &lt;tag&gt; &eacute;&#233;&#xE9;</p>"
+        b"<pre>  keep\n    this</pre><ul><li>one</li><li>two</li></ul>"
+        b"<table><tr><th>k</th><th>v</th></tr><tr><td>a</td><td>1</td></tr></table>"
+        b"<script type='module'>alert(1)</script>tail</body></html>"
+    )
+    assert extract(page).text == (
+        "Heading\n\nSome spaced words <tag> ééé\n\n  keep\n    this\n\none\ntwo\n\nk\tv\na\t1\n\ntail"
+    )
+
+
+def test_html_charset_from_meta_bom_or_guess() -> None:
+    body = "<p>Café crème — “déjà vu”</p>"
+    declared = f'<html><head><meta charset="windows-1252"></head><body>{body}</body></html>'
+    result = extract(declared.encode("cp1252"))
+    assert result.text == "Café crème — “déjà vu”" and result.encoding == "cp1252"
+    # ISO-8859-1 declared means cp1252, as in browsers.
+    legacy = f'<html><head><meta http-equiv="Content-Type" content="text/html; charset=ISO-8859-1">{body}'
+    assert extract(legacy.encode("cp1252")).text == "Café crème — “déjà vu”"
+    utf16 = extract(f"<html><body>{body}</body></html>".encode("utf-16"))
+    assert utf16.text == "Café crème — “déjà vu”" and utf16.encoding == "utf_16"
+    guessed = extract(f"<div>{body} Un texte assez long en français, écrit à la main.</div>".encode("cp1252"))
+    assert guessed.text.startswith("Café crème — “déjà vu”") and guessed.encoding == "cp1252"
+
+
+# --------------------------------------------------------------------------------------------------
+# Markdown with markdown-it-py
+# --------------------------------------------------------------------------------------------------
+
+
+def test_markdown_links_images_code_tables() -> None:
+    source = (
+        "# Guide\n\n"
+        "Read [the manual](https://example.org/m \"title\") and <https://example.org>.\n\n"
+        "![A diagram](d.png) shows `a*b*c` and **bold** _em_ ~~old~~ text.\n\n"
+        "```python\nx = [1, 2]  # *not* emphasis\n```\n\n"
+        "    indented code\n\n"
+        "| Name | Value |\n|------|------:|\n| a | 1 |\n| b | 2 |\n\n"
+        "1. first\n2. second\n\n"
+        "> quoted <b>inline</b> html\n\n"
+        "[ref]: https://example.org/ref\n"
+    )
+    assert extract(source.encode(), name="guide.md").text == (
+        "Guide\n\nRead the manual and https://example.org.\n\n"
+        "A diagram shows a*b*c and bold em old text.\n\n"
+        "x = [1, 2]  # *not* emphasis\n\nindented code\n\n"
+        "Name\tValue\na\t1\nb\t2\n\nfirst\nsecond\n\nquoted inline html"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Encodings
+# --------------------------------------------------------------------------------------------------
+
+FRENCH = (
+    "Il était très fâché : à côté de l\u2019église, où ça s\u2019est passé, il a payé 5 € à l\u2019œuvre."
+)
+
+
+@pytest.mark.parametrize(
+    ("data", "encoding"),
+    [
+        pytest.param(FRENCH.encode("utf-8"), "utf_8", id="utf-8"),
+        pytest.param(b"\xef\xbb\xbf" + FRENCH.encode("utf-8"), "utf_8", id="utf-8-bom"),
+        pytest.param(FRENCH.encode("cp1252"), "cp1252", id="cp1252"),
+        pytest.param(FRENCH.encode("utf-16"), "utf_16", id="utf-16-bom"),
+        pytest.param(FRENCH.encode("utf-16-le"), "utf_16_le", id="utf-16-le"),
+        pytest.param(FRENCH.encode("utf-16-be"), "utf_16_be", id="utf-16-be"),
+        pytest.param(FRENCH.encode("utf-32"), "utf_32", id="utf-32-bom"),
+    ],
+)
+def test_text_encodings_are_detected_and_recorded(data: bytes, encoding: str) -> None:
+    result = extract(data, name="lettre.txt")
+    assert result.mime == "text/plain"
+    assert (result.text, result.encoding) == (FRENCH, encoding)
+
+
+def test_latin1_without_cp1252_characters() -> None:
+    text = "Grüße aus Köln: die Bäckerei öffnet um 7 Uhr, schöne Grüße an die Familie Müller."
+    result = extract(text.encode("latin-1"))
+    assert result.text == text and result.encoding == "cp1252"  # Latin-1 printable is a cp1252 subset
+
+
+def test_markdown_detection_applies_to_decoded_text() -> None:
+    source = "# Über uns\n\nWir sind **Bäcker** in [Köln](https://k.de).\n"
+    for data in (source.encode("utf-16"), source.encode("cp1252")):
+        result = extract(data)
+        assert result.mime == "text/markdown" and result.text == "Über uns\n\nWir sind Bäcker in Köln."
+
+
+def test_pdf_and_docx_record_no_encoding() -> None:
+    assert extract(read("alpine-glaciers.pdf")).encoding is None
+    assert extract(read("tidal-energy.docx")).encoding is None

@@ -1,0 +1,137 @@
+"""The embedded default (SQLite) under one big document: a 100-file ``conveyor files
+submit`` beside a document yielding over 20 MB of text. No stage, relay, heartbeat or CLI
+transaction holds SQLite's single writer for more than 2 s (every process logs any that
+does), and the CLI never shows a traceback."""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+
+from conveyor.procs import service_env
+from tasks.files.models import batches, files
+from tasks.files.stages import _settings
+from tests.fault.conftest import Spawn, children, memory_of
+from tests.helpers import eventually
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.fault, pytest.mark.sqlite]
+
+SLOW = "SQLite write lock held for"
+WORDS = [
+    "beekeeper",
+    "inspects",
+    "brood",
+    "frames",
+    "lighthouse",
+    "keeper",
+    "trims",
+    "the",
+    "wick",
+    "sourdough",
+    "starter",
+    "ferments",
+]
+
+
+def _big_text(path: Path, megabytes: int) -> None:
+    line = (" ".join(WORDS) + ". ") * 8 + "\n"
+    with path.open("w") as handle:
+        for _ in range(megabytes * 1024 * 1024 // len(line) + 1):
+            handle.write(line)
+
+
+def _probe_writer(db: str, stop: threading.Event, waits: list[float]) -> None:
+    """How long a newcomer waits for the writer, sampled while everything runs."""
+    conn = sqlite3.connect(db, timeout=60, isolation_level=None)
+    while not stop.is_set():
+        started = time.monotonic()
+        conn.execute("BEGIN IMMEDIATE")
+        waits.append(time.monotonic() - started)
+        conn.execute("ROLLBACK")
+        time.sleep(0.2)
+    conn.close()
+
+
+def test_a_big_document_beside_a_100_file_submit_never_holds_the_writer_long(
+    on_sqlite: Any, spawn: Spawn, tmp_path: Path, tag: str
+) -> None:
+    platform = on_sqlite
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    _big_text(docs / "000-big.txt", 21)
+    for i in range(1, 100):
+        (docs / f"{i:03d}.txt").write_text(f"Note {i}: " + " ".join(WORDS[i % 5 :] * 3))
+    paths = sorted(docs.iterdir())
+
+    long_limits = {
+        "CONVEYOR_DEFAULT_TIME_LIMIT": "300",
+        "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "280",
+        "CONVEYOR_VISIBILITY_TIMEOUT": "600",
+    }
+    worker = spawn(concurrency=2, settings=platform.settings, env=long_limits)
+    pool = eventually(lambda: len(found := children(worker.pid)) == 2 and found, timeout=10)
+    idle = {pid: memory_of(pid, "VmRSS") for pid in pool}
+    db = str(platform.engine.url.database)
+    stop, waits = threading.Event(), []
+    prober = threading.Thread(target=_probe_writer, args=(db, stop, waits), daemon=True)
+    prober.start()
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conveyor",
+            "files",
+            "submit",
+            "--user",
+            tag,
+            "--timeout",
+            "300",
+            "--wait",
+            "60",
+        ]
+        + [str(p) for p in paths],
+        env=service_env(platform.settings),
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
+    stop.set()
+    prober.join(10)
+    output = cli.stdout + cli.stderr
+    assert cli.returncode == 0, output[-3000:]
+    assert "Traceback" not in output and "database is locked" not in output
+    with platform.engine.connect() as conn:
+        batch = conn.execute(select(batches).where(batches.c.owner == tag)).mappings().one()
+        big = (
+            conn.execute(select(files).where(files.c.owner == tag, files.c.name == "000-big.txt"))
+            .mappings()
+            .one()
+        )
+    assert (batch["status"], batch["total"], batch["ready"]) == ("completed", 100, 100)
+    assert len(big["text"]) >= 20 * 1024 * 1024 and big["chunk_count"] > 10_000
+    logs = "".join(p.read_text() for p in tmp_path.glob("worker-*.log"))
+    assert SLOW not in logs, [line for line in logs.splitlines() if SLOW in line]
+    assert SLOW not in output
+    assert waits and max(waits) < 10, max(waits)
+    bound = max(2 * _settings().files.max_bytes, 256 * 1024 * 1024)
+    grown = {pid: memory_of(pid, "VmHWM") - idle[pid] for pid in pool}
+    assert max(grown.values()) <= bound, {pid: f"{g / 2**20:.0f} MiB" for pid, g in grown.items()}
+
+
+def test_messy_documents_get_a_clear_answer_on_sqlite(on_sqlite: Any, spawn: Spawn, tag: str) -> None:
+    from pipelines.files import Upload, batch_status, process_batch
+    from tests.integration.files_support import MESSY, check_messy, completed
+
+    spawn(concurrency=2, settings=on_sqlite.settings)
+    batch_id = process_batch(on_sqlite, tag, [Upload(name, data) for name, data, _ in MESSY])
+    completed(on_sqlite, batch_id, timeout=120)
+    ids = {f["name"]: f["id"] for f in batch_status(on_sqlite, batch_id)["files"]}
+    check_messy(on_sqlite, tag, ids)
