@@ -14,7 +14,8 @@ and the median per side is reported.
 
 * tracked: :func:`pipelines.files.process_batch` (upload every file, seal the batch, queue
   the files, one chord of ``extract → chunk → embed`` chains with ``complete_batch`` as
-  its body) on queue ``files`` of ``celery -A config.celery_app``. Timed from the call
+  its body) on the files queues of ``celery -A config.celery_app`` (one per stage; extract
+  parses in a memory- and time-bounded child process, the raw side in the task itself). Timed from the call
   until the batch row is ``completed`` *and* every job is terminal, i.e. the chord body
   has run too, the point the raw side's chord result marks (the database is polled every
   50 ms; the moment the batch row alone turned ``completed`` is logged on stderr). Every
@@ -86,7 +87,7 @@ from conveyor.celeryconfig import celery_config
 from conveyor.db.dialect import db_now
 from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
-from tasks.files.embedding import Embedder, load_embedder
+from tasks.files.embedding import Embedder, load_embedder, pack
 from tasks.files.extract import Extracted, Limits, extract
 from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, files
 from tasks.files.storage import storage_for
@@ -98,9 +99,9 @@ if TYPE_CHECKING:
     from conveyor.settings import ConveyorSettings
     from pipelines.files import Upload
 
-TRACKED_QUEUE = "files"
+TRACKED_QUEUES = ("file-extract", "file-chunk", "file-embed", "batch-completion")  # config/queues.py
 RAW_QUEUE = "files_raw"
-QUEUES = (TRACKED_QUEUE, RAW_QUEUE)
+QUEUES = (*TRACKED_QUEUES, RAW_QUEUE)
 RAW_APP = "bench.files:raw_app"
 REDIS_DB = 13
 DATABASE = "conveyor_bench_files"
@@ -215,8 +216,13 @@ def raw_chunk(file_id: str) -> str:
 def raw_embed(file_id: str) -> str:
     """Write one vector per chunk and mark the file ready; the raw counterpart of ``embed_stage``."""
     settings = worker_settings()
+    embedder = embedder_named(settings.files.embedder)
     with worker_engine().begin() as conn:
-        flow.embed_chunks(conn, file_id, embedder_named(settings.files.embedder))
+        rows = conn.execute(
+            select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == file_id).order_by(chunks.c.ordinal)
+        ).all()
+        vectors = embedder.embed([r.text for r in rows])
+        flow.write_vectors(conn, embedder.name, [(r.id, pack(v)) for r, v in zip(rows, vectors, strict=True)])
         conn.execute(update(files).where(files.c.id == file_id).values(status=READY, updated_at=db_now()))
     return file_id
 
@@ -343,14 +349,14 @@ class Bench:
 
     def start_worker(self, side: str, run: int) -> str:
         """Start the worker of ``side`` (only one at a time) and wait until it answers."""
-        settings, app, queue = self.platform.settings, self.platform.app, TRACKED_QUEUE
+        settings, app, queues = self.platform.settings, self.platform.app, list(TRACKED_QUEUES)
         if side == "raw":
-            settings, app, queue = settings.model_copy(update={"app": RAW_APP}), raw_app, RAW_QUEUE
+            settings, app, queues = settings.model_copy(update={"app": RAW_APP}), raw_app, [RAW_QUEUE]
         hostname = self.worker.start(
             settings,
             app,
             name=f"files-{side}-{run}",
-            queues=[queue],
+            queues=queues,
             concurrency=self.concurrency,
             extra_args=NO_RATE_LIMITS,
         )
