@@ -74,10 +74,14 @@ def file_chain(file_id: str, name: str | None = None) -> Signature:
 
 
 def batch_chord(batch_id: str, named: Sequence[tuple[str, str]]) -> Signature:
-    """Every file's chain as a chord header; the body asks Postgres to complete the batch."""
+    """Every file's chain as a chord header; the body asks Postgres to complete the batch.
+
+    The body is immutable (``si``): it needs only the batch id, and the header's results
+    (one per file) would make its payload grow with the batch past ``max_payload_bytes``.
+    """
     from tasks.files.stages import complete_batch
 
-    return chord(group(file_chain(f, n) for f, n in named), complete_batch.s(batch_id=batch_id))
+    return chord(group(file_chain(f, n) for f, n in named), complete_batch.si(batch_id=batch_id))
 
 
 @dataclass(frozen=True)
@@ -137,9 +141,22 @@ def _safe_segment(text: str, fallback: str) -> str:
     return cleaned or fallback
 
 
+_SEGMENT = 100  # characters: far below a file system's 255-byte name limit
+
+
+def _short(segment: str) -> str:
+    """At most ``_SEGMENT`` characters, keeping a short extension."""
+    if len(segment) <= _SEGMENT:
+        return segment
+    suffix = Path(segment).suffix[:12]
+    return segment[: _SEGMENT - len(suffix)] + suffix
+
+
 def _storage_key(owner: str, file_id: str, name: str) -> str:
-    """Where a file's content lives: ``<owner>/<file id>/<file name>``."""
-    return f"{_safe_segment(owner, 'owner')}/{file_id}/{_safe_segment(Path(name).name, 'file')}"
+    """Where a file's content lives: ``<owner>/<file id>/<file name>`` (each segment
+    bounded; the file id alone makes the key unique)."""
+    owner_part = _short(_safe_segment(owner, "owner"))
+    return f"{owner_part}/{file_id}/{_short(_safe_segment(Path(name).name, 'file'))}"
 
 
 def new_batch(platform: Platform, owner: str, *, expected: int | None = None) -> str:

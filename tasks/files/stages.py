@@ -66,11 +66,11 @@ class FileRef(BaseModel):
 
 
 class BatchRef(BaseModel):
-    """The chord body's input: the batch id and the header's results."""
+    """The chord body's input: the batch id (header results, if a caller passes them, are
+    ignored: the database knows each file's outcome)."""
 
     model_config = ConfigDict(extra="ignore")
     batch_id: str
-    results: list[Any] = []
 
 
 def _settings() -> Settings:

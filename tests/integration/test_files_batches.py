@@ -302,3 +302,24 @@ def test_each_stage_has_its_queue_and_the_seeds_rate_limits_apply(
     }
     # Embed runs at chunk's pace already (the same rate), so it may never need parking.
     assert {"file-extract", "file-chunk"} <= {b["queue"] for b in limited}
+
+
+def test_a_batch_whose_results_outgrow_a_payload_still_runs_its_chord_body(
+    platform: Any, worker: Any, tag: str
+) -> None:
+    """120 files with 480-character names: their chain results together are over the 64 KiB
+    payload limit, which the chord body must not carry."""
+    items = [Upload(f"{i:03d}-" + "n" * 476 + ".txt", f"note {i} on beekeeping".encode()) for i in range(120)]
+    batch_id = process_batch(platform, tag, items)
+    completed(platform, batch_id, timeout=240)
+
+    def body() -> Any:
+        with platform.engine.connect() as conn:
+            return conn.execute(
+                select(jobs.c.status, jobs.c.payload).where(
+                    jobs.c.stage == "conveyor.files.complete_batch", jobs.c.label == batch_id
+                )
+            ).one_or_none()
+
+    row = eventually(lambda: (r := body()) is not None and r.status == "succeeded" and r, timeout=60)
+    assert "results" not in row.payload
