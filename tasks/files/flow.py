@@ -37,6 +37,7 @@ PROGRESS_STATES = (QUEUED, EXTRACTING, CHUNKING, EMBEDDING, READY, FAILED, CANCE
 class BatchClosed(Exception):
     """The batch takes no more files: sealed, or it has its expected count."""
 
+
 Emit = Callable[[str, Mapping[str, Any]], None]
 
 
@@ -84,19 +85,28 @@ def transition(
         },
     )
     batch_id = before["batch_id"]
-    if batch_id:
-        if to in TERMINAL:
-            row = _recount(conn, batch_id, to, +1, emit)
-            if row is not None and row["status"] != "completed":
+    if batch_id and to in TERMINAL:
+        row = _recount(conn, batch_id, to, +1, emit)
+        if row is not None and row["status"] != "completed":
+            if _progress_due(int(row["terminal"]), int(row["total"])):
                 progress(conn, batch_id, emit)
-                try_complete(conn, batch_id, emit)
-        else:
-            progress(conn, batch_id, emit)
+            try_complete(conn, batch_id, emit)
     return before
 
 
+# A batch reports its progress at most this many times (as a file turns terminal): a count
+# per transition of every file would cost the batch quadratic work.
+PROGRESS_REPORTS = 50
+
+
+def _progress_due(terminal: int, total: int) -> bool:
+    step = max(1, -(-total // PROGRESS_REPORTS))
+    return terminal % step == 0 or terminal >= total
+
+
 def progress(conn: Connection, batch_id: str, emit: Emit) -> None:
-    """``batch.progress``: how many of the batch's files are in each state, as the seed's."""
+    """``batch.progress``: how many of the batch's files are in each state, as the seed's
+    (emitted as files turn terminal, at most :data:`PROGRESS_REPORTS` times a batch)."""
     batch = batch_summary(conn, batch_id)
     if batch is None:
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -233,6 +234,20 @@ def _extract_file(path: str, name: str | None, max_bytes: int, max_pages: int) -
     }
 
 
+# Small text (plain, Markdown, HTML) is parsed in the worker itself: its parse costs a small
+# multiple of its size, and Python code stays interruptible by the soft time limit. PDFs,
+# archives (DOCX) and anything larger go to the bounded child, whatever their size: a few
+# kilobytes of them may unpack into gigabytes. The fork costs ~10 ms a file.
+INLINE_MAX = 256 * 1024
+_CONTAINERS = (b"%PDF", b"PK\x03\x04", b"PK\x05\x06", b"PK\x07\x08")
+
+
+def _is_container(path: Path) -> bool:
+    with path.open("rb") as handle:
+        head = handle.read(1024)
+    return any(magic in head for magic in _CONTAINERS)
+
+
 def memory_bound(max_bytes: int) -> int:
     """How much a worker's memory may grow for one document: max(2 * max_bytes, 256 MiB)."""
     return max(2 * max_bytes, 256 * 1024 * 1024)
@@ -255,15 +270,18 @@ def extract_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
         raise too_large(settings.max_bytes, size)
     bound = memory_bound(settings.max_bytes)
     timeout = settings.extract_soft_time_limit * 0.9
+    args = (row["name"], settings.max_bytes, settings.max_pages)
     with storage.local_path(ref) as path:
-        try:
-            out = run_bounded(
-                _extract_file, str(path), row["name"], settings.max_bytes, settings.max_pages,
-                memory=bound, timeout=timeout,
-            )  # fmt: skip
-        except OutOfBounds as exc:
-            limit = f"{bound // _MIB} MiB of memory" if exc.reason == "memory" else f"{timeout:.0f} s"
-            raise DocumentTooComplex(f"document too complex: extracting it needs more than {limit}") from exc
+        if size <= INLINE_MAX and not _is_container(path):
+            out = _extract_file(str(path), *args)
+        else:
+            try:
+                out = run_bounded(_extract_file, str(path), *args, memory=bound, timeout=timeout)
+            except OutOfBounds as exc:
+                limit = f"{bound // _MIB} MiB of memory" if exc.reason == "memory" else f"{timeout:.0f} s"
+                raise DocumentTooComplex(
+                    f"document too complex: extracting it needs more than {limit}"
+                ) from exc
     _advance(
         ctx, p, EXTRACTING, CHUNKING,
         text=out["text"], mime=out["mime"], pages=out["pages"], encoding=out["encoding"],
