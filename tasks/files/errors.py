@@ -59,3 +59,7 @@ class EmbeddingRejected(PermanentError):
 
 class ContentMissing(FileRejected):
     """The referenced content does not exist in storage."""
+
+
+class UploadInterrupted(TransientError):
+    """The content's source failed before it ended (a dropped client): upload it again."""

@@ -34,7 +34,13 @@ from typing import IO, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.files.errors import ContentMissing, FileRejected, FileTooLarge, StorageUnavailable
+from tasks.files.errors import (
+    ContentMissing,
+    FileRejected,
+    FileTooLarge,
+    StorageUnavailable,
+    UploadInterrupted,
+)
 
 __all__ = [
     "InvalidReference",
@@ -99,7 +105,7 @@ def spool(source: IO[bytes], directory: Path | None, max_bytes: int) -> tuple[Pa
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".upload.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
-            while block := source.read(_CHUNK):
+            while block := _read(source):
                 size += len(block)
                 if size > max_bytes:
                     raise too_large(max_bytes)
@@ -111,6 +117,13 @@ def spool(source: IO[bytes], directory: Path | None, max_bytes: int) -> tuple[Pa
         Path(tmp).unlink(missing_ok=True)
         raise
     return Path(tmp), size, digest.hexdigest()
+
+
+def _read(source: IO[bytes]) -> bytes:
+    try:
+        return source.read(_CHUNK)
+    except OSError as exc:  # the source's fault, not the storage's
+        raise UploadInterrupted(f"the upload stopped before its end: {exc}") from exc
 
 
 def _mib(n: int) -> str:

@@ -112,5 +112,6 @@ def test_hostile_documents_never_grow_a_worker_past_its_memory_bound(
             assert (row["status"], row["error_type"]) == ("failed", expected[0]), row["error"]
             assert expected[1] in row["error"]
     grown = memory_of(pool, "VmHWM") - idle
+    print(f"pool_peak_growth_mib={grown / 2**20:.0f} bound_mib={bound / 2**20:.0f}")
     assert grown <= bound, f"pool process grew by {grown / 2**20:.0f} MiB (bound {bound / 2**20:.0f} MiB)"
     assert children(worker.pid) == [pool]  # the same pool process did all of it: none died

@@ -123,6 +123,7 @@ def test_a_big_document_beside_a_100_file_submit_never_holds_the_writer_long(
     assert waits and max(waits) < 10, max(waits)
     bound = max(2 * _settings().files.max_bytes, 256 * 1024 * 1024)
     grown = {pid: memory_of(pid, "VmHWM") - idle[pid] for pid in pool}
+    print(f"max_writer_wait_s={max(waits):.2f} pool_peak_growth_mib={max(grown.values()) / 2**20:.0f}")
     assert max(grown.values()) <= bound, {pid: f"{g / 2**20:.0f} MiB" for pid, g in grown.items()}
 
 

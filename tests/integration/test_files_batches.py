@@ -323,3 +323,28 @@ def test_a_batch_whose_results_outgrow_a_payload_still_runs_its_chord_body(
 
     row = eventually(lambda: (r := body()) is not None and r.status == "succeeded" and r, timeout=60)
     assert "results" not in row.payload
+
+
+class _Broken(io.RawIOBase):
+    """A source that fails half way (a dropped client connection)."""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        raise OSError("connection reset by peer")
+
+
+def test_a_submit_failing_half_way_closes_its_batch_instead_of_leaving_it_open(
+    platform: Any, tag: str
+) -> None:
+    from tasks.files.errors import UploadInterrupted
+    from tasks.files.models import batches
+
+    with pytest.raises(UploadInterrupted, match="connection reset"):
+        process_batch(platform, tag, [_doc("chess"), Upload("dropped.txt", stream=_Broken())])  # type: ignore[arg-type]
+    with platform.engine.connect() as conn:
+        batch = conn.execute(select(batches).where(batches.c.owner == tag)).mappings().one()
+        left = conn.execute(select(files.c.status).where(files.c.owner == tag)).scalars().all()
+    assert (batch["status"], batch["total"], batch["cancelled"]) == ("completed", 1, 1)
+    assert left == ["cancelled"]  # the dropped upload left no row (and no object)
