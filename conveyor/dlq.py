@@ -15,7 +15,8 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.engine import reading
 from conveyor.db.schema import dead_letters, jobs
-from conveyor.errors import RetryRefused
+from conveyor.errors import ConfigurationError, RetryRefused
+from conveyor.stage import StageSpec
 from conveyor.store import new_event
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ class DeadLetterQueue:
             job = self.platform.store.get(conn, entry["job_id"])
             if job is None or job["status"] != s.DEAD:
                 return None
-            spec = self.platform.stages.get(job["stage"])
+            spec = self._spec(job["stage"])
             budget = spec.max_attempts if spec else self.platform.settings.default_max_attempts
             if job["dedup_key"]:
                 p = self.platform
@@ -142,6 +143,14 @@ class DeadLetterQueue:
                 self.platform.deduper.forget(job["dedup_key"])
         self.platform.republish_if_queued(job["id"])
         return str(job["id"])
+
+    def _spec(self, stage: str) -> StageSpec | None:
+        """The stage's spec, importing the deployment's stage modules if this process (a
+        CLI, a web app) has not: its ``on_retry`` hook and attempt budget apply."""
+        try:
+            return self.platform.spec(stage)
+        except ConfigurationError:  # a stage since removed: retry it with the defaults
+            return None
 
     def retry_all(
         self,

@@ -17,6 +17,7 @@ import hashlib
 import io
 import logging
 import re
+import unicodedata
 import uuid
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -189,7 +190,18 @@ def new_batch(platform: Platform, owner: str, *, expected: int | None = None) ->
 
 
 def _display_name(name: str) -> str:
-    return Path(name).name[:500] or "file"
+    """The name people see: its last path segment, valid text without control characters.
+
+    A name read from a file system that is not UTF-8 carries lone surrogates; they become
+    the characters they stood for when those bytes are UTF-8, else U+FFFD.
+    """
+    base = Path(name).name
+    try:
+        base = base.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:
+        base = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in base)
+    base = "".join(c for c in base if unicodedata.category(c) != "Cc").strip()
+    return base[:500] or "file"
 
 
 def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None = None) -> str:

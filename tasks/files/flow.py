@@ -26,12 +26,13 @@ from tasks.files.models import (
     QUEUED,
     READY,
     TERMINAL,
+    UPLOADED,
     batches,
     chunks,
     files,
 )
 
-PROGRESS_STATES = (QUEUED, EXTRACTING, CHUNKING, EMBEDDING, READY, FAILED, CANCELLED)
+PROGRESS_STATES = (UPLOADED, QUEUED, EXTRACTING, CHUNKING, EMBEDDING, READY, FAILED, CANCELLED)
 
 
 class BatchClosed(Exception):

@@ -35,6 +35,7 @@ from tasks.files.embedding import Embedder, load_embedder, pack
 from tasks.files.errors import DocumentTooComplex
 from tasks.files.extract import Limits, extract
 from tasks.files.models import (
+    CANCELLED,
     CHUNKING,
     EMBEDDING,
     EXTRACTING,
@@ -42,7 +43,9 @@ from tasks.files.models import (
     QUEUED,
     READY,
     TERMINAL,
+    UPLOADED,
     UPLOADING,
+    batches,
     chunks,
     files,
 )
@@ -345,8 +348,6 @@ class NoArgs(BaseModel):
 def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
     """Periodic: complete any sealed batch whose files are all terminal (lost chord counter),
     and sweep uploads whose process died half way (their object, then their row)."""
-    from tasks.files.models import batches
-
     with reading(platform.engine) as conn:
         open_ids = (
             conn.execute(
@@ -360,7 +361,39 @@ def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
             .all()
         )
     done = sum(1 for b in open_ids if flow.try_complete(ctx.connection, b, _emitter(ctx)))
-    return {"completed": done, "swept": sweep_uploads(older_than=_settings().files.stale_upload_after)}
+    stale = _settings().files.stale_upload_after
+    return {
+        "completed": done,
+        "swept": sweep_uploads(older_than=stale),
+        "unconfirmed": cancel_unconfirmed(older_than=stale),
+    }
+
+
+def cancel_unconfirmed(*, older_than: float) -> int:
+    """Cancel files of sealed batches uploaded but never confirmed (the request that should
+    have confirmed them died), so that their batches complete; returns how many."""
+    with reading(platform.engine) as conn:
+        stale = (
+            conn.execute(
+                select(files.c.id)
+                .join(batches, batches.c.id == files.c.batch_id)
+                .where(
+                    files.c.status == UPLOADED,
+                    files.c.updated_at < db_now_plus(-older_than),
+                    batches.c.sealed.is_(True),
+                )
+            )
+            .scalars()
+            .all()
+        )
+    cancelled = 0
+    for file_id in stale:
+        with platform.engine.begin() as conn:
+            error = f"never confirmed within {older_than:.0f} s of its upload"
+            cancelled += (
+                flow.transition(conn, file_id, [UPLOADED], CANCELLED, _db_emit(conn), error=error) is not None
+            )
+    return cancelled
 
 
 def sweep_uploads(*, older_than: float) -> int:

@@ -121,9 +121,13 @@ def spool(source: IO[bytes], directory: Path | None, max_bytes: int) -> tuple[Pa
 
 def _read(source: IO[bytes]) -> bytes:
     try:
-        return source.read(_CHUNK)
+        block = source.read(_CHUNK)
     except OSError as exc:  # the source's fault, not the storage's
         raise UploadInterrupted(f"the upload stopped before its end: {exc}") from exc
+    if not isinstance(block, bytes):
+        kind = type(block).__name__
+        raise TypeError(f"an upload's stream must be binary (open files with 'rb'), got {kind}")
+    return block
 
 
 def _mib(n: int) -> str:

@@ -348,3 +348,63 @@ def test_a_submit_failing_half_way_closes_its_batch_instead_of_leaving_it_open(
         left = conn.execute(select(files.c.status).where(files.c.owner == tag)).scalars().all()
     assert (batch["status"], batch["total"], batch["cancelled"]) == ("completed", 1, 1)
     assert left == ["cancelled"]  # the dropped upload left no row (and no object)
+
+
+def test_a_cli_retry_in_a_fresh_process_revives_the_fixed_files(platform: Any, worker: Any, tag: str) -> None:
+    """``conveyor files retry`` runs in a process that never imported the stages: the DLQ
+    retry must still run their ``on_retry`` hook (failed → queued) and their budget."""
+    import subprocess
+    import sys
+
+    from conveyor.procs import service_env
+    from pipelines.files import replace_content
+
+    batch_id = process_batch(platform, tag, [Upload("empty.txt", b""), _doc("chess")])
+    completed(platform, batch_id, timeout=60)
+    empty = next(f["id"] for f in batch_status(platform, batch_id)["files"] if f["name"] == "empty.txt")
+    assert file_row(platform, empty)["error_type"] == "EmptyDocument"
+    replace_content(platform, empty, b"Barn owls hunt at night over the meadow.")
+    cli = subprocess.run(
+        [sys.executable, "-m", "conveyor", "files", "retry", batch_id, "--user", tag],
+        env=service_env(platform.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0 and "retried 1 file" in cli.stdout, cli.stdout + cli.stderr
+    row = eventually(lambda: (r := file_row(platform, empty))["status"] == "ready" and r, timeout=60)
+    assert "owls" in row["text"]
+    with platform.engine.connect() as conn:
+        budget = conn.execute(
+            select(jobs.c.max_attempts).where(
+                jobs.c.stage == "conveyor.files.extract", jobs.c.payload["file_id"].as_string() == empty
+            )
+        ).scalar_one()
+    assert budget == 1 + 4  # the attempt used, plus the stage's own budget (not the default 3)
+
+
+def test_file_names_that_are_not_valid_text_are_cleaned(platform: Any, tag: str) -> None:
+    """A Latin-1 name read from a UTF-8 file system (lone surrogates) or a NUL in a name
+    crashed the upload (UnicodeEncodeError; the driver's DataError with its SQL)."""
+    odd = upload(platform, tag, Upload("caf\udce9.txt", b"x"))
+    nul = upload(platform, tag, Upload("a\x00b\x1b.txt", b"x"))
+    assert file_row(platform, odd)["name"] == "caf\ufffd.txt"
+    assert file_row(platform, nul)["name"] == "ab.txt"
+
+
+def test_an_unconfirmed_upload_of_a_sealed_batch_is_cancelled_so_the_batch_completes(
+    platform: Any, worker: Any, tag: str
+) -> None:
+    from tasks.files.stages import cancel_unconfirmed
+
+    batch_id = new_batch(platform, tag, expected=2)
+    first = upload(platform, tag, _doc("chess"), batch_id=batch_id)
+    forgotten = upload(platform, tag, _doc("orchids"), batch_id=batch_id)  # its confirm never came
+    confirm(platform, first)
+    eventually(lambda: file_row(platform, first)["status"] == "ready", timeout=60)
+    assert batch_row(platform, batch_id)["status"] == "processing"
+    assert cancel_unconfirmed(older_than=0) >= 1
+    row = file_row(platform, forgotten)
+    assert row["status"] == "cancelled" and "never confirmed" in row["error"]
+    batch = completed(platform, batch_id, timeout=10)
+    assert (batch["ready"], batch["cancelled"]) == (1, 1)
