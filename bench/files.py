@@ -87,7 +87,7 @@ from conveyor.celeryconfig import celery_config
 from conveyor.db.dialect import db_now
 from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
-from tasks.files.embedding import Embedder, load_embedder, pack
+from tasks.files.embedding import Embedder, embed_packed, load_embedder
 from tasks.files.extract import Extracted, Limits, extract
 from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, files
 from tasks.files.storage import storage_for
@@ -218,11 +218,8 @@ def raw_embed(file_id: str) -> str:
     settings = worker_settings()
     embedder = embedder_named(settings.files.embedder)
     with worker_engine().begin() as conn:
-        rows = conn.execute(
-            select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == file_id).order_by(chunks.c.ordinal)
-        ).all()
-        vectors = embedder.embed([r.text for r in rows])
-        flow.write_vectors(conn, embedder.name, [(r.id, pack(v)) for r, v in zip(rows, vectors, strict=True)])
+        vectors = embed_packed(embedder, flow.chunk_texts(conn, file_id))
+        flow.write_vectors(conn, embedder.name, vectors)
         conn.execute(update(files).where(files.c.id == file_id).values(status=READY, updated_at=db_now()))
     return file_id
 

@@ -35,13 +35,14 @@ from conveyor.db.schema import dead_letters, jobs
 from conveyor.platform import Platform
 from conveyor.store import new_event
 from tasks.files import flow
-from tasks.files.errors import FileRejected
+from tasks.files.errors import EmbeddingModelMismatch, FileRejected
 from tasks.files.flow import BatchClosed
 from tasks.files.models import (
     ACTIVE,
     CANCELLED,
     FAILED,
     QUEUED,
+    READY,
     UPLOADED,
     UPLOADING,
     batches,
@@ -60,6 +61,7 @@ __all__ = [
     "confirm",
     "new_batch",
     "process_batch",
+    "reembed",
     "retry_failed",
     "seal_batch",
     "search",
@@ -265,7 +267,6 @@ def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None
         _discard(platform, store, file_id, store.ref_for(key))
         raise
     return file_id
-
 
 
 def _check_open(conn: Connection, batch_id: str, owner: str) -> None:
@@ -496,23 +497,71 @@ class Hit:
 
 
 def search(platform: Platform, query: str, *, owner: str, limit: int = 5) -> list[Hit]:
-    """The best chunks for ``query`` among ``owner``'s files (never another user's)."""
+    """The best chunks for ``query`` among ``owner``'s ``ready`` files (never another
+    user's, never a cancelled, failed or unfinished file's).
+
+    Raises :class:`EmbeddingModelMismatch`, naming both models, when some of the owner's
+    vectors come from another model than the configured one (``conveyor files reembed``).
+    """
     from tasks.files.embedding import cosine, unpack
     from tasks.files.stages import _embedder, _settings
 
-    vector = _embedder(_settings().files.embedder).embed([query])[0]
+    embedder = _embedder(_settings().files.embedder)
+    searchable = (chunks.c.owner == owner, files.c.owner == owner, files.c.status == READY)
     with platform.engine.connect() as conn:
+        models = (
+            conn.execute(
+                select(chunks.c.model)
+                .join(files, files.c.id == chunks.c.file_id)
+                .where(*searchable, chunks.c.embedding.is_not(None))
+                .distinct()
+            )
+            .scalars()
+            .all()
+        )
+        others = sorted(m or "unknown" for m in models if m != embedder.name)
+        if others:
+            raise EmbeddingModelMismatch(
+                f"{owner}'s chunks are embedded with {', '.join(map(repr, others))} but search embeds "
+                f"queries with {embedder.name!r}: run `conveyor files reembed --user {owner}`"
+            )
         rows = conn.execute(
             select(chunks.c.file_id, chunks.c.ordinal, chunks.c.text, chunks.c.embedding, files.c.name)
             .join(files, files.c.id == chunks.c.file_id)
-            .where(chunks.c.owner == owner, files.c.owner == owner, chunks.c.embedding.is_not(None))
+            .where(*searchable, chunks.c.model == embedder.name, chunks.c.embedding.is_not(None))
         ).all()
+    vector = embedder.embed([query])[0]
     scored = [Hit(r.file_id, r.name, r.ordinal, cosine(vector, unpack(r.embedding)), r.text) for r in rows]
     scored.sort(key=lambda h: h.score, reverse=True)
     best: dict[str, Hit] = {}
     for hit in scored:  # one hit per file, best chunk first
         best.setdefault(hit.file_id, hit)
-    return list(best.values())[:limit]
+    return list(best.values())[: max(0, limit)]
+
+
+def reembed(platform: Platform, owner: str) -> int:
+    """Re-embed every chunk of ``owner``'s ready files with the configured model, a file
+    at a time (each in its own short transaction, vectors computed before it); returns
+    how many chunks were written."""
+    from tasks.files.embedding import embed_packed
+    from tasks.files.stages import EMBED_BATCH, _embedder, _settings
+
+    embedder = _embedder(_settings().files.embedder)
+    with platform.engine.connect() as conn:
+        file_ids = (
+            conn.execute(select(files.c.id).where(files.c.owner == owner, files.c.status == READY))
+            .scalars()
+            .all()
+        )
+    written = 0
+    for file_id in file_ids:
+        with platform.engine.connect() as conn:
+            texts = flow.chunk_texts(conn, file_id)
+        vectors = embed_packed(embedder, texts, batch=EMBED_BATCH)
+        with platform.engine.begin() as conn:
+            flow.write_vectors(conn, embedder.name, vectors)
+        written += len(vectors)
+    return written
 
 
 def batch_status(platform: Platform, batch_id: str, *, owner: str | None = None) -> dict[str, Any]:

@@ -204,7 +204,7 @@ def search(
     as_json: bool = json_option(),
     wait: float = wait_option(),
 ) -> None:
-    """The best chunks for QUERY among USER's files."""
+    """The best chunks for QUERY among USER's ready files."""
 
     def main() -> int:
         from pipelines.files import search as run_search
@@ -219,6 +219,21 @@ def search(
         return 0
 
     run_command(main, wait=wait, read_only=True)
+
+
+@app.command()
+def reembed(
+    user: str = typer.Option(..., "--user", help="whose chunks"), wait: float = wait_option()
+) -> None:
+    """Re-embed USER's chunks with the configured model (after changing the embedder)."""
+
+    def main() -> int:
+        from pipelines.files import reembed as run_reembed
+
+        console.print(f"re-embedded {run_reembed(load_platform(), user)} chunk(s)")
+        return 0
+
+    run_command(main, wait=wait)
 
 
 __all__ = ["EXTRACTING", "app"]

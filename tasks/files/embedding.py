@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ __all__ = [
     "HttpEmbedder",
     "SentenceTransformerEmbedder",
     "cosine",
+    "embed_packed",
     "load_embedder",
     "pack",
     "unpack",
@@ -270,6 +271,26 @@ def load_embedder(name: str) -> Embedder:
     raise ValueError(
         f"unknown embedder {name!r}; known: {HashingEmbedder.name!r}, {SentenceTransformerEmbedder.name!r}"
     )
+
+
+def embed_packed(
+    embedder: Embedder,
+    items: Sequence[tuple[int, str]],
+    *,
+    batch: int = 256,
+    between: Callable[[], None] | None = None,
+) -> list[tuple[int, bytes]]:
+    """``(id, text)`` pairs to ``(id, packed vector)``, ``batch`` texts at a time, packed
+    as they come (float lists of a large document would not fit a worker's memory bound);
+    ``between`` runs before each batch (a checkpoint)."""
+    out: list[tuple[int, bytes]] = []
+    for start in range(0, len(items), batch):
+        if between is not None:
+            between()
+        part = items[start : start + batch]
+        vectors = embedder.embed([text for _, text in part])
+        out.extend((key, pack(v)) for (key, _), v in zip(part, vectors, strict=True))
+    return out
 
 
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:

@@ -63,3 +63,8 @@ class ContentMissing(FileRejected):
 
 class UploadInterrupted(TransientError):
     """The content's source failed before it ended (a dropped client): upload it again."""
+
+
+class EmbeddingModelMismatch(PermanentError):
+    """Stored vectors come from another model than the one search embeds queries with:
+    comparing them would give meaningless scores. Re-embed (``conveyor files reembed``)."""

@@ -85,6 +85,8 @@ def transition(
             "chunk_count": values.get("chunk_count", before["chunk_count"]),
         },
     )
+    if to == CANCELLED:  # nothing of a cancelled file stays searchable
+        conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
     batch_id = before["batch_id"]
     if batch_id and to in TERMINAL:
         row = _recount(conn, batch_id, to, +1, emit)
@@ -250,6 +252,14 @@ def replace_chunks(conn: Connection, file_id: str, owner: str, pieces: Sequence[
             insert(chunks),
             [{"file_id": file_id, "owner": owner, "ordinal": c.ordinal, "text": c.text} for c in pieces],
         )
+
+
+def chunk_texts(conn: Connection, file_id: str) -> list[tuple[int, str]]:
+    """The file's chunks as ``(id, text)``, in order."""
+    rows = conn.execute(
+        select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == file_id).order_by(chunks.c.ordinal)
+    ).all()
+    return [(int(r.id), str(r.text)) for r in rows]
 
 
 def write_vectors(conn: Connection, model: str, vectors: Sequence[tuple[int, bytes]]) -> None:

@@ -31,7 +31,7 @@ from conveyor.retry import Backoff
 from conveyor.store import new_event
 from tasks.files import flow
 from tasks.files.chunking import chunk_text
-from tasks.files.embedding import Embedder, load_embedder, pack
+from tasks.files.embedding import Embedder, embed_packed, load_embedder
 from tasks.files.errors import DocumentTooComplex
 from tasks.files.extract import Limits, extract
 from tasks.files.models import (
@@ -46,7 +46,6 @@ from tasks.files.models import (
     UPLOADED,
     UPLOADING,
     batches,
-    chunks,
     files,
 )
 from tasks.files.storage import Storage, storage_for, too_large
@@ -315,16 +314,9 @@ def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     _begin(ctx, p, (), EMBEDDING)
     embedder = _embedder(_settings().files.embedder)
     with reading(platform.engine) as conn:
-        rows = conn.execute(
-            select(chunks.c.id, chunks.c.text).where(chunks.c.file_id == p.file_id).order_by(chunks.c.ordinal)
-        ).all()
-    vectors: list[tuple[int, bytes]] = []
-    for start in range(0, len(rows), EMBED_BATCH):
-        ctx.checkpoint(fresh=False)
-        part = rows[start : start + EMBED_BATCH]
-        computed = embedder.embed([r.text for r in part])
-        vectors.extend((r.id, pack(v)) for r, v in zip(part, computed, strict=True))
-    del rows
+        texts = flow.chunk_texts(conn, p.file_id)
+    vectors = embed_packed(embedder, texts, batch=EMBED_BATCH, between=lambda: ctx.checkpoint(fresh=False))
+    del texts
     _advance(ctx, p, EMBEDDING, READY)
     flow.write_vectors(ctx.connection, embedder.name, vectors)
     return {"file_id": p.file_id, "name": p.name}

@@ -408,3 +408,39 @@ def test_an_unconfirmed_upload_of_a_sealed_batch_is_cancelled_so_the_batch_compl
     assert row["status"] == "cancelled" and "never confirmed" in row["error"]
     batch = completed(platform, batch_id, timeout=10)
     assert (batch["ready"], batch["cancelled"]) == (1, 1)
+
+
+def test_search_compares_only_vectors_of_its_model_and_reembed_fixes_a_change(
+    platform: Any, worker: Any, tag: str
+) -> None:
+    """Vectors of another model (an embedder changed in the settings) were compared with the
+    query's anyway: garbage scores, or a crash for another dimension."""
+    import subprocess
+    import sys
+
+    from conveyor.procs import service_env
+    from pipelines.files import search
+    from tasks.files.errors import EmbeddingModelMismatch
+    from tasks.files.models import chunks
+
+    batch_id = process_batch(platform, tag, [_doc("lighthouses"), _doc("orchids")])
+    completed(platform, batch_id, timeout=60)
+    assert search(platform, "Fresnel lens keeper", owner=tag)[0].name == "lighthouses.txt"
+    ids = [f["id"] for f in batch_status(platform, batch_id)["files"]]
+    with platform.engine.begin() as conn:  # as if written by another model, 768-d
+        conn.execute(
+            chunks.update()
+            .where(chunks.c.file_id == ids[0])
+            .values(model="other-768d", embedding=b"\0" * 3072)
+        )
+    with pytest.raises(EmbeddingModelMismatch, match=r"other-768d.*hashing-v1"):
+        search(platform, "Fresnel lens keeper", owner=tag)
+    cli = subprocess.run(
+        [sys.executable, "-m", "conveyor", "files", "reembed", "--user", tag],
+        env=service_env(platform.settings),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cli.returncode == 0 and "re-embedded" in cli.stdout, cli.stdout + cli.stderr
+    assert search(platform, "Fresnel lens keeper", owner=tag)[0].name == "lighthouses.txt"
