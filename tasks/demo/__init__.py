@@ -175,16 +175,18 @@ class Write(BaseModel):
 def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
     """Writes ``<note>:start:<attempt>`` when it starts and ``<note>:cleanup:<attempt>`` if
     it is stopped (its ``finally`` runs even when interrupted by the escalation signal)."""
-    mark(
-        platform.engine,
-        job_id=ctx.job_id,
-        stage=ctx.stage,
-        attempt=ctx.attempt,
-        note=f"{p.note}:start:{ctx.attempt}",
-    )
     ignore = p.ignore_checkpoints_on_first_attempt and ctx.attempt == 1
     finished = False
     try:
+        # Inside the try: an interrupt landing just after the start marker commits (while
+        # its connection is returned) must still write the cleanup marker.
+        mark(
+            platform.engine,
+            job_id=ctx.job_id,
+            stage=ctx.stage,
+            attempt=ctx.attempt,
+            note=f"{p.note}:start:{ctx.attempt}",
+        )
         for i in range(p.records):
             if p.per_record:
                 time.sleep(p.per_record)
