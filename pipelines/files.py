@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from celery import Signature, chain, chord, group
-from sqlalchemy import Connection, delete, insert, select
+from sqlalchemy import Connection, insert, select
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
 
@@ -134,10 +134,6 @@ def _new_storage() -> Storage:
     return LocalStorage(settings.files_storage_dir())
 
 
-def _storage_put(platform: Platform, key: str, data: bytes) -> str:
-    return _new_storage().put(key, data)
-
-
 def _safe_segment(text: str, fallback: str) -> str:
     """A storage key segment: no separators, no dot-only names."""
     cleaned = re.sub(r"[^\w.\-]+", "_", text).strip("._")
@@ -227,6 +223,7 @@ def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None
     name = _display_name(item.name)
     store = _new_storage()
     key = _storage_key(owner, file_id, name)
+    ref = store.ref_for(key)
     with platform.engine.begin() as conn:
         if batch_id is not None:
             _check_open(conn, batch_id, owner)
@@ -237,7 +234,7 @@ def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None
                 batch_id=batch_id,
                 name=name,
                 size=0,
-                content_ref=store.ref_for(key),
+                content_ref=ref,
                 checksum="",
                 status=UPLOADING,
                 created_at=db_now(),
@@ -264,27 +261,22 @@ def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None
             )
             session.commit()
     except BaseException:
-        _discard(platform, store, file_id, store.ref_for(key))
+        _discard(file_id, ref)
         raise
     return file_id
 
 
 def _check_open(conn: Connection, batch_id: str, owner: str) -> None:
-    row = conn.execute(
-        select(batches.c.sealed, batches.c.owner).where(batches.c.id == batch_id)
-    ).one_or_none()
-    if row is None or row.owner != owner:
-        raise LookupError(f"batch {batch_id} not found")
-    if row.sealed:
+    if _batch_of(conn, batch_id, owner)["sealed"]:
         raise BatchClosed(f"batch {batch_id} is sealed: it takes no more files")
 
 
-def _discard(platform: Platform, store: Storage, file_id: str, ref: str) -> None:
-    """Undo a failed upload: its object, then its row (the reconciler retries what fails here)."""
+def _discard(file_id: str, ref: str) -> None:
+    """Undo a failed upload (the reconciler retries what fails here)."""
+    from tasks.files.stages import discard_upload
+
     try:
-        store.delete(ref)
-        with platform.engine.begin() as conn:
-            conn.execute(delete(files).where(files.c.id == file_id, files.c.status == UPLOADING))
+        discard_upload(file_id, ref)
     except Exception:
         log.warning("could not discard failed upload %s; the reconciler will", file_id, exc_info=True)
 
@@ -437,7 +429,7 @@ def replace_content(platform: Platform, file_id: str, data: bytes) -> None:
         if row is None:
             raise LookupError(f"file {file_id} not found")
         key = _storage_key(row["owner"], file_id, row["name"])
-        if _storage_put(platform, key, data) != row["content_ref"]:
+        if _new_storage().put(key, data) != row["content_ref"]:
             raise ValueError(f"file {file_id} is stored elsewhere; upload it again instead")
         conn.execute(
             files.update()

@@ -92,7 +92,7 @@ def transition(
         row = _recount(conn, batch_id, to, +1, emit)
         if row is not None and row["status"] != "completed":
             if _progress_due(int(row["terminal"]), int(row["total"])):
-                progress(conn, batch_id, emit)
+                progress(conn, batch_id, row, emit)
             try_complete(conn, batch_id, emit)
     return before
 
@@ -107,12 +107,10 @@ def _progress_due(terminal: int, total: int) -> bool:
     return terminal % step == 0 or terminal >= total
 
 
-def progress(conn: Connection, batch_id: str, emit: Emit) -> None:
+def progress(conn: Connection, batch_id: str, batch: Mapping[str, Any], emit: Emit) -> None:
     """``batch.progress``: how many of the batch's files are in each state, as the seed's
-    (emitted as files turn terminal, at most :data:`PROGRESS_REPORTS` times a batch)."""
-    batch = batch_summary(conn, batch_id)
-    if batch is None:
-        return
+    (emitted as files turn terminal, at most :data:`PROGRESS_REPORTS` times a batch).
+    ``batch`` is the batch row as just counted (its owner and total)."""
     rows = conn.execute(
         select(files.c.status, func.count()).where(files.c.batch_id == batch_id).group_by(files.c.status)
     ).all()
@@ -189,7 +187,7 @@ def count_upload(conn: Connection, batch_id: str, emit: Emit) -> None:
                 sealed=case((full, True), else_=False),
                 status=case((full, "processing"), else_=batches.c.status),
             )
-            .returning(batches.c.sealed, batches.c.owner, batches.c.total, batches.c.expected)
+            .returning(batches.c.sealed, batches.c.owner, batches.c.total)
         )
         .mappings()
         .one_or_none()

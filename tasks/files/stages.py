@@ -232,7 +232,7 @@ def _extract_file(path: str, name: str | None, max_bytes: int, max_pages: int) -
         "text": result.text,
         "mime": result.mime,
         "pages": result.pages,
-        "encoding": getattr(result, "encoding", None),
+        "encoding": result.encoding,
     }
 
 
@@ -252,7 +252,7 @@ def _is_container(path: Path) -> bool:
 
 def memory_bound(max_bytes: int) -> int:
     """How much a worker's memory may grow for one document: max(2 * max_bytes, 256 MiB)."""
-    return max(2 * max_bytes, 256 * 1024 * 1024)
+    return max(2 * max_bytes, 256 * _MIB)
 
 
 @_file_stage("extract", soft_time_limit=get_settings().files.extract_soft_time_limit)
@@ -399,12 +399,17 @@ def sweep_uploads(*, older_than: float) -> int:
     swept = 0
     for file_id, ref in stale:
         try:
-            _storage(ref).delete(ref)
+            swept += discard_upload(file_id, ref)
         except Exception:
             log.warning("could not delete the object of stale upload %s", file_id, exc_info=True)
-            continue
-        with platform.engine.begin() as conn:
-            swept += conn.execute(
-                delete(files).where(files.c.id == file_id, files.c.status == UPLOADING)
-            ).rowcount
     return swept
+
+
+def discard_upload(file_id: str, ref: str) -> bool:
+    """Remove an unfinished upload: its object first (a failure leaves the row to try
+    again), then its row while still ``uploading``. True when the row went."""
+    _storage(ref).delete(ref)
+    with platform.engine.begin() as conn:
+        return bool(
+            conn.execute(delete(files).where(files.c.id == file_id, files.c.status == UPLOADING)).rowcount
+        )
