@@ -18,7 +18,7 @@ class FilesSettings(BaseModel):
     s3: S3Settings | None = None  # an S3-compatible bucket; unset: the local directory
     max_bytes: int = 25 * 1024 * 1024
     max_pages: int = 500
-    embedder: str = "hashing-v1"
+    embedder: str = "wordllama-256"  # or "minilm" (the embeddings extra), "hashing-v1", a URL
     chunk_tokens: int = 200
     chunk_overlap: int = 40
     extract_soft_time_limit: float = 60.0

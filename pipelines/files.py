@@ -23,10 +23,10 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from celery import Signature, chain, chord, group
-from sqlalchemy import Connection, insert, select
+from sqlalchemy import Connection, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
 
@@ -54,7 +54,10 @@ from tasks.files.storage import Storage, too_large
 log = logging.getLogger("conveyor.files")
 
 __all__ = [
+    "RANKINGS",
     "BatchClosed",
+    "Hit",
+    "Ranking",
     "Upload",
     "batch_status",
     "cancel_batch",
@@ -488,57 +491,122 @@ class Hit:
     text: str
 
 
-def search(platform: Platform, query: str, *, owner: str, limit: int = 5) -> list[Hit]:
-    """The best chunks for ``query`` among ``owner``'s ``ready`` files (never another
-    user's, never a cancelled, failed or unfinished file's).
+Ranking = Literal["default", "fused", "lexical", "vector"]
+RANKINGS: tuple[Ranking, ...] = ("default", "fused", "lexical", "vector")
 
-    Raises :class:`EmbeddingModelMismatch`, naming both models, when some of the owner's
-    vectors come from another model than the configured one (``conveyor files reembed``).
+
+def search(
+    platform: Platform, query: str, *, owner: str, limit: int = 5, ranking: Ranking = "default"
+) -> list[Hit]:
+    """The best of ``owner``'s ``ready`` files for ``query``, one hit per file (its best
+    chunk), best first; never another user's file, never a cancelled, failed or unfinished one.
+
+    ``ranking``: ``"lexical"`` (BM25 over any of the query's words), ``"vector"`` (the
+    configured model's vectors: a chunk's cosine plus its file's), ``"fused"`` (both,
+    weighted by how much of the query the best lexical file explains: see
+    :mod:`tasks.files.search`), or ``"default"``: fused when the configured embedder is a
+    model, lexical with feature hashing. Scores are the ranking's own: compare them only
+    within one answer.
+
+    Raises:
+        ValueError: an empty query, ``limit < 1`` or an unknown ranking.
+        EmbeddingModelMismatch: a ranking that uses vectors, and some of the owner's were
+            made by another model than the configured one (it names both:
+            ``conveyor files reembed``).
     """
-    from tasks.files.embedding import cosine, unpack
+    from tasks.files import search as rank
+    from tasks.files.embedding import is_semantic
     from tasks.files.stages import _embedder, _settings
 
+    # Databases refuse NUL and lone surrogates (a Latin-1 argv); neither is a word anyway.
+    query = query.encode("utf-8", "replace").decode().replace("\x00", " ")
+    if not query.strip():
+        raise ValueError("the query is empty")
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    if ranking not in RANKINGS:
+        raise ValueError(f"unknown ranking {ranking!r}; one of {', '.join(RANKINGS)}")
     embedder = _embedder(_settings().files.embedder)
-    searchable = (chunks.c.owner == owner, files.c.owner == owner, files.c.status == READY)
+    if ranking == "default":
+        ranking = "fused" if is_semantic(embedder) else "lexical"
+    # Enough chunks that ``limit`` distinct files survive one-hit-per-file.
+    candidates = max(rank.CANDIDATES, 10 * limit)
     with platform.engine.connect() as conn:
-        models = (
-            conn.execute(
-                select(chunks.c.model)
-                .join(files, files.c.id == chunks.c.file_id)
-                .where(*searchable, chunks.c.embedding.is_not(None))
-                .distinct()
-            )
-            .scalars()
-            .all()
+        lexical = (
+            rank.lexical(conn, owner, query, limit=candidates) if ranking != "vector" else rank.Lexical([])
         )
-        others = sorted(m or "unknown" for m in models if m != embedder.name)
-        if others:
-            raise EmbeddingModelMismatch(
-                f"{owner}'s chunks are embedded with {', '.join(map(repr, others))} but search embeds "
-                f"queries with {embedder.name!r}: run `conveyor files reembed --user {owner}`"
+        vector = rank.Vector([])
+        if ranking != "lexical":
+            _check_model(conn, owner, embedder.name)
+            query_vector = embedder.embed([query])[0]
+            vector = rank.vector(conn, owner, query_vector, embedder.name, limit=candidates)
+        if ranking == "lexical":
+            ranked = lexical.ranked
+        elif ranking == "vector":
+            ranked = vector.ranked
+        else:
+            weight = 0.0
+            if lexical.ranked:
+                top_file = conn.execute(
+                    select(chunks.c.file_id).where(chunks.c.id == lexical.ranked[0].chunk_id)
+                ).scalar_one()
+                weight = rank.coverage(conn, top_file, lexical.idf)
+            ranked = rank.blend(lexical, vector, weight)
+        rows = {
+            r.id: r
+            for r in conn.execute(
+                select(chunks.c.id, chunks.c.file_id, chunks.c.ordinal, chunks.c.text, files.c.name)
+                .join(files, files.c.id == chunks.c.file_id)
+                .where(chunks.c.id.in_([r.chunk_id for r in ranked]), files.c.owner == owner)
             )
-        rows = conn.execute(
-            select(chunks.c.file_id, chunks.c.ordinal, chunks.c.text, chunks.c.embedding, files.c.name)
-            .join(files, files.c.id == chunks.c.file_id)
-            .where(*searchable, chunks.c.model == embedder.name, chunks.c.embedding.is_not(None))
-        ).all()
-    vector = embedder.embed([query])[0]
-    scored = [Hit(r.file_id, r.name, r.ordinal, cosine(vector, unpack(r.embedding)), r.text) for r in rows]
-    scored.sort(key=lambda h: h.score, reverse=True)
+        }
     best: dict[str, Hit] = {}
-    for hit in scored:  # one hit per file, best chunk first
-        best.setdefault(hit.file_id, hit)
-    return list(best.values())[: max(0, limit)]
+    for item in ranked:
+        row = rows.get(item.chunk_id)
+        if row is not None and row.file_id not in best:
+            best[row.file_id] = Hit(row.file_id, row.name, row.ordinal, item.score, row.text)
+            if len(best) == limit:
+                break
+    return list(best.values())
+
+
+def _check_model(conn: Connection, owner: str, model: str) -> None:
+    """Raise :class:`EmbeddingModelMismatch` when some of ``owner``'s ready chunks carry
+    vectors of another model than ``model`` (comparing them would be garbage)."""
+    others = (
+        conn.execute(
+            select(chunks.c.model)
+            .join(files, files.c.id == chunks.c.file_id)
+            .where(
+                chunks.c.owner == owner,
+                files.c.status == READY,
+                chunks.c.embedding.is_not(None),
+                or_(chunks.c.model.is_(None), chunks.c.model != model),
+            )
+            .distinct()
+        )
+        .scalars()
+        .all()
+    )
+    if others:
+        names = ", ".join(sorted(repr(m or "unknown") for m in others))
+        raise EmbeddingModelMismatch(
+            f"{owner}'s chunks are embedded with {names} but search embeds queries with {model!r}: "
+            f"run `conveyor files reembed --user {owner}`"
+        )
 
 
 def reembed(platform: Platform, owner: str) -> int:
     """Re-embed every chunk of ``owner``'s ready files with the configured model, a file
     at a time (each in its own short transaction, vectors computed before it); returns
-    how many chunks were written."""
-    from tasks.files.embedding import embed_packed
+    how many chunks were written. A file with a chunk longer than the model reads (its
+    token budget) is chunked again for it, in the same transaction."""
+    from tasks.files.chunking import chunk_text, fit_chunks
+    from tasks.files.embedding import TokenBudget, embed_packed
     from tasks.files.stages import EMBED_BATCH, _embedder, _settings
 
-    embedder = _embedder(_settings().files.embedder)
+    settings = _settings().files
+    embedder = _embedder(settings.embedder)
     with platform.engine.connect() as conn:
         file_ids = (
             conn.execute(select(files.c.id).where(files.c.owner == owner, files.c.status == READY))
@@ -549,8 +617,21 @@ def reembed(platform: Platform, owner: str) -> int:
     for file_id in file_ids:
         with platform.engine.connect() as conn:
             texts = flow.chunk_texts(conn, file_id)
+            text = conn.execute(select(files.c.text).where(files.c.id == file_id)).scalar_one()
+        pieces = None
+        if isinstance(embedder, TokenBudget):
+            counts = embedder.count_tokens([t for _, t in texts])
+            if any(n > embedder.max_tokens for n in counts):
+                cut = chunk_text(text or "", max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap)
+                pieces = fit_chunks(cut, embedder.count_tokens, embedder.max_tokens)
+                texts = [(p.ordinal, p.text) for p in pieces]
         vectors = embed_packed(embedder, texts, batch=EMBED_BATCH)
         with platform.engine.begin() as conn:
+            if pieces is not None:  # new rows: vectors go to their ids, by ordinal
+                flow.replace_chunks(conn, file_id, owner, pieces)
+                ids = [chunk_id for chunk_id, _ in flow.chunk_texts(conn, file_id)]
+                vectors = [(ids[ordinal], vector) for ordinal, vector in vectors]
+                conn.execute(update(files).where(files.c.id == file_id).values(chunk_count=len(pieces)))
             flow.write_vectors(conn, embedder.name, vectors)
         written += len(vectors)
     return written

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Chunk", "chunk_text", "is_word", "iter_tokens", "tokenize"]
+__all__ = ["Chunk", "chunk_text", "fit_chunks", "is_word", "iter_tokens", "tokenize"]
 
 _RAW_TOKEN = re.compile(r"\w+|[^\w\s]")
 _WORD_CHAR = re.compile(r"\w")
@@ -153,3 +153,47 @@ def chunk_text(text: str, *, max_tokens: int = 200, overlap: int = 40) -> list[C
             del window[:drop]
             base += drop
     return chunks
+
+
+def fit_chunks(
+    chunks: Sequence[Chunk], count: Callable[[Sequence[str]], list[int]], limit: int
+) -> list[Chunk]:
+    """Cut again, smaller, every chunk over ``limit`` tokens as a model counts them
+    (``count``: a wordpiece tokenizer, say), so the model reads every chunk whole.
+
+    A chunk over the limit is re-chunked (:func:`chunk_text`) with a window scaled to fit,
+    overlap a fifth of it; a single word still over (a long run of symbols) is split by
+    characters. Offsets stay offsets into the original text; ordinals are renumbered.
+
+    Raises:
+        ValueError: ``limit < 1``.
+    """
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    fitted: list[Chunk] = []
+    pending = list(chunks)
+    while pending:
+        counts = count([c.text for c in pending])
+        over: list[Chunk] = []
+        for chunk, n in zip(pending, counts, strict=True):
+            if n <= limit:
+                fitted.append(chunk)
+            else:
+                over.extend(_smaller(chunk, n, limit))
+        pending = over
+    fitted.sort(key=lambda c: (c.start, c.end))
+    return [Chunk(i, c.text, c.start, c.end, c.tokens) for i, c in enumerate(fitted)]
+
+
+def _smaller(chunk: Chunk, size: int, limit: int) -> list[Chunk]:
+    """Pieces of ``chunk`` (``size`` model tokens) aimed at ``limit`` each."""
+    if chunk.tokens > 1:
+        window = max(1, min(chunk.tokens - 1, int(chunk.tokens * limit / size * 0.9)))
+        pieces = chunk_text(chunk.text, max_tokens=window, overlap=window // 5)
+    else:  # one word: halve it by characters
+        middle = max(1, len(chunk.text) // 2)
+        pieces = [
+            Chunk(0, chunk.text[:middle], 0, middle, 1),
+            Chunk(1, chunk.text[middle:], middle, len(chunk.text), 1),
+        ]
+    return [Chunk(0, p.text, chunk.start + p.start, chunk.start + p.end, p.tokens) for p in pieces if p.text]

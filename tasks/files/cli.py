@@ -200,16 +200,25 @@ def retry(batch_id: str, user: str = _owner_option(), wait: float = wait_option(
 def search(
     query: str,
     user: str = typer.Option("demo"),
-    limit: int = typer.Option(5),
+    limit: int = typer.Option(5, min=1, help="files to show"),
+    ranking: str = typer.Option(
+        "default", help="default (fused with a model, else lexical) | fused | lexical | vector"
+    ),
     as_json: bool = json_option(),
     wait: float = wait_option(),
 ) -> None:
-    """The best chunks for QUERY among USER's ready files."""
+    """USER's ready files that best match QUERY, one line per file (its best chunk)."""
+    from pipelines.files import RANKINGS
+
+    if ranking not in RANKINGS:
+        raise typer.BadParameter(f"one of {', '.join(RANKINGS)}", param_hint="--ranking")
+    if not query.strip():
+        raise typer.BadParameter("the query is empty", param_hint="QUERY")
 
     def main() -> int:
         from pipelines.files import search as run_search
 
-        hits = run_search(load_platform(), query, owner=user, limit=limit)
+        hits = run_search(load_platform(), query, owner=user, limit=limit, ranking=ranking)  # type: ignore[arg-type]
         if as_json:
             print_json(records(hits))
             return 0

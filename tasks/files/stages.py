@@ -30,8 +30,8 @@ from conveyor.logs import redact_text
 from conveyor.retry import Backoff
 from conveyor.store import new_event
 from tasks.files import flow
-from tasks.files.chunking import chunk_text
-from tasks.files.embedding import Embedder, embed_packed, load_embedder
+from tasks.files.chunking import chunk_text, fit_chunks
+from tasks.files.embedding import Embedder, TokenBudget, embed_packed, load_embedder
 from tasks.files.errors import DocumentTooComplex
 from tasks.files.extract import Limits, extract
 from tasks.files.models import (
@@ -297,6 +297,9 @@ def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     row = _begin(ctx, p, (), CHUNKING)
     settings = _settings().files
     pieces = chunk_text(row["text"] or "", max_tokens=settings.chunk_tokens, overlap=settings.chunk_overlap)
+    embedder = _embedder(settings.embedder)
+    if isinstance(embedder, TokenBudget):  # a model that would silently cut a longer chunk
+        pieces = fit_chunks(pieces, embedder.count_tokens, embedder.max_tokens)
     _advance(ctx, p, CHUNKING, EMBEDDING, chunk_count=len(pieces))
     flow.replace_chunks(ctx.connection, p.file_id, row["owner"], pieces)
     return {"file_id": p.file_id, "name": p.name}

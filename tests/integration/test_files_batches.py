@@ -433,7 +433,7 @@ def test_search_compares_only_vectors_of_its_model_and_reembed_fixes_a_change(
             .where(chunks.c.file_id == ids[0])
             .values(model="other-768d", embedding=b"\0" * 3072)
         )
-    with pytest.raises(EmbeddingModelMismatch, match=r"other-768d.*hashing-v1"):
+    with pytest.raises(EmbeddingModelMismatch, match=r"other-768d.*wordllama-256"):
         search(platform, "Fresnel lens keeper", owner=tag)
     cli = subprocess.run(
         [sys.executable, "-m", "conveyor", "files", "reembed", "--user", tag],

@@ -1,0 +1,180 @@
+"""Search as a user meets it, on both databases: BM25 that is really BM25, ORed words,
+scoped to the owner and to ready files inside the index query, hostile query text, clear
+errors, and the model check that only vector rankings need."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import insert, text
+
+from pipelines.files import search
+from tasks.files.embedding import load_embedder, pack
+from tasks.files.errors import EmbeddingModelMismatch
+from tasks.files.models import FAILED, READY, chunks, files
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = load_embedder("wordllama-256")
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def db(request: pytest.FixtureRequest, platform: Any) -> Iterator[Any]:
+    """The platform on Postgres, then on a fresh SQLite file."""
+    if request.param == "sqlite":
+        yield request.getfixturevalue("on_sqlite")
+    else:
+        yield platform
+
+
+def put(
+    platform: Any, owner: str, name: str, *texts: str, status: str = READY, model: str | None = None
+) -> str:
+    """A file of ``owner`` with one chunk per text, embedded (by ``model``'s name) unless
+    ``model`` is "", written as the embed stage leaves it."""
+    file_id = str(uuid.uuid4())
+    now = datetime.now(UTC)
+    vectors = MODEL.embed(list(texts))
+    with platform.engine.begin() as conn:
+        conn.execute(
+            insert(files).values(
+                id=file_id, owner=owner, name=name, size=1, content_ref="-", checksum="-",
+                status=status, created_at=now, updated_at=now,
+            )
+        )  # fmt: skip
+        conn.execute(
+            insert(chunks),
+            [
+                {
+                    "file_id": file_id, "owner": owner, "ordinal": i, "text": t,
+                    "embedding": pack(v) if model != "" else None,
+                    "model": (model or MODEL.name) if model != "" else None,
+                }
+                for i, (t, v) in enumerate(zip(texts, vectors, strict=True))
+            ],
+        )  # fmt: skip
+    return file_id
+
+
+def names(hits: list[Any]) -> list[str]:
+    return [h.name for h in hits]
+
+
+def test_any_query_word_matches_and_both_words_rank_first(db: Any, tag: str) -> None:
+    put(db, tag, "alpha.txt", "the alpha particle left the nucleus")
+    put(db, tag, "beta.txt", "a beta decay turned a neutron into a proton")
+    put(db, tag, "both.txt", "alpha and beta decay are two kinds of radioactivity")
+    put(db, tag, "neither.txt", "sourdough needs a lively starter")
+    hits = search(db, "alpha beta", owner=tag, ranking="lexical")
+    assert names(hits)[0] == "both.txt" and set(names(hits)) == {"alpha.txt", "beta.txt", "both.txt"}
+    assert all(h.score > 0 for h in hits)
+
+
+def test_only_the_owners_ready_files_are_found_and_the_index_scopes_by_owner(db: Any, tag: str) -> None:
+    put(db, tag, "mine.txt", "the xylophone recital was a triumph")
+    put(db, tag, "failed.txt", "xylophone xylophone xylophone", status=FAILED)
+    # Owners whose tokens overlap the user's (SQLite turns the owner into one token).
+    for other in (tag + "x", tag[:-1], f"{tag} other", tag.upper(), "ü" + tag):
+        put(db, other, "theirs.txt", "xylophone xylophone xylophone")
+    for ranking in ("lexical", "vector", "fused"):
+        assert names(search(db, "xylophone", owner=tag, ranking=ranking)) == ["mine.txt"], ranking
+    assert names(search(db, "xylophone", owner="ü" + tag, ranking="lexical")) == ["theirs.txt"]
+
+
+def test_hostile_query_text_is_just_words(db: Any, tag: str) -> None:
+    put(db, tag, "notes.txt", "near the column of the okey text, quoted phrases live")
+    hostile = [
+        'NEAR(near column) "unterminated', "okey : o00 OR text : *", "near* AND NOT -column",
+        "!column & (text | okey) <-> near:*", "'; DROP TABLE file_chunks; --", "\\ ' \" \x00 ^",
+        "text:near OR okey:o" + "41" * 50, "near \udcff column",
+    ]  # fmt: skip
+    for query in hostile:
+        for ranking in ("lexical", "fused"):
+            hits = search(db, query, owner=tag, ranking=ranking)
+            assert names(hits) in ([], ["notes.txt"]), (query, ranking)
+    assert names(search(db, "?!", owner=tag, ranking="lexical")) == []
+
+
+def test_empty_query_bad_limit_and_unknown_ranking_are_clear_errors(db: Any, tag: str) -> None:
+    with pytest.raises(ValueError, match="the query is empty"):
+        search(db, "  \n", owner=tag)
+    with pytest.raises(ValueError, match="limit must be at least 1, got -1"):
+        search(db, "x", owner=tag, limit=-1)
+    with pytest.raises(ValueError, match="unknown ranking 'bm25'"):
+        search(db, "x", owner=tag, ranking="bm25")  # type: ignore[arg-type]
+
+
+def test_one_hit_per_file_and_the_limit_counts_files(db: Any, tag: str) -> None:
+    put(db, tag, "long.txt", *[f"glacier moraine number {i}" for i in range(30)])
+    for i in range(6):
+        put(db, tag, f"short-{i}.txt", f"a glacier {i}")
+    hits = search(db, "glacier moraine", owner=tag, limit=4, ranking="lexical")
+    assert len(hits) == 4 and len(set(names(hits))) == 4 and names(hits)[0] == "long.txt"
+
+
+def test_vectors_of_another_model_fail_vector_rankings_and_not_lexical(db: Any, tag: str) -> None:
+    put(db, tag, "old.txt", "lighthouse keeper", model="hashing-v1")
+    put(db, tag, "unembedded.txt", "lighthouse lens", model="")  # embed stage not run: ignored
+    with pytest.raises(EmbeddingModelMismatch, match=r"'hashing-v1'.*'wordllama-256'.*reembed"):
+        search(db, "lighthouse", owner=tag)
+    assert set(names(search(db, "lighthouse", owner=tag, ranking="lexical"))) == {"old.txt", "unembedded.txt"}
+
+
+def test_bm25_on_postgres_is_the_formula_over_the_owners_chunks(platform: Any, tag: str) -> None:
+    """Scores equal a reference BM25 (k1 1.2, b 0.75, idf ln(1 + (N - df + .5)/(df + .5)))
+    over the owner's chunks only, from the words Postgres indexed (plain: a dotted name is
+    its words)."""
+    corpus = [
+        "Glaciers carve valleys; a glacier's moraine marks where the ice stopped.",
+        "The valley glacier retreated, leaving moraine after moraine after moraine.",
+        "Sea ice is not a glacier, though both are ice.",
+        "Orchids grow aerial roots with velamen.",
+        "Ice cores from a glacier record old air in bubbles of ice and more ice.",
+        "See glacier.ice.moraine and https://example.org/ice/glacier for data.",
+    ]
+    put(platform, tag, "corpus.txt", *corpus)
+    put(platform, tag + "-other", "other.txt", *["glacier glacier moraine"] * 20)  # not in the stats
+    query = "glacier moraine ice"
+    with platform.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT c.ordinal, u.lexeme, array_length(u.positions, 1) AS tf"
+                " FROM file_chunks c, unnest(c.tsv) u WHERE c.owner = :o"
+            ),
+            {"o": tag},
+        ).all()
+        wanted = conn.execute(
+            text("SELECT tsvector_to_array(to_tsvector('simple', regexp_replace(:q, '\\W+', ' ', 'g')))"),
+            {"q": query},
+        ).scalar_one()
+    tf: dict[int, Counter[str]] = {i: Counter() for i in range(len(corpus))}
+    for r in rows:
+        tf[r.ordinal][r.lexeme] = r.tf
+    n, avgdl = len(corpus), sum(sum(c.values()) for c in tf.values()) / len(corpus)
+    df = {t: sum(1 for c in tf.values() if c[t]) for t in wanted}
+    expected = {
+        i: sum(
+            math.log(1 + (n - df[t] + 0.5) / (df[t] + 0.5))
+            * c[t] * 2.2 / (c[t] + 1.2 * (0.25 + 0.75 * sum(c.values()) / avgdl))
+            for t in wanted if c[t]
+        )
+        for i, c in tf.items()
+    }  # fmt: skip
+    from tasks.files.search import lexical
+
+    with platform.engine.connect() as conn:
+        got = lexical(conn, tag, query).ranked
+        ordinals = dict(
+            conn.execute(text("SELECT id, ordinal FROM file_chunks WHERE owner = :o"), {"o": tag}).all()
+        )
+    assert [ordinals[r.chunk_id] for r in got] == sorted(
+        (i for i in expected if expected[i] > 0), key=lambda i: -expected[i]
+    )
+    for r in got:
+        assert r.score == pytest.approx(expected[ordinals[r.chunk_id]], rel=1e-9)
