@@ -89,7 +89,7 @@ from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
 from tasks.files.embedding import Embedder, embed_packed, load_embedder
 from tasks.files.extract import Extracted, Limits, extract
-from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, files
+from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, file_vectors, files
 from tasks.files.storage import storage_for
 
 if TYPE_CHECKING:
@@ -219,7 +219,8 @@ def raw_embed(file_id: str) -> str:
     embedder = embedder_named(settings.files.embedder)
     with worker_engine().begin() as conn:
         vectors = embed_packed(embedder, flow.chunk_texts(conn, file_id))
-        flow.write_vectors(conn, embedder.name, vectors)
+        owner = conn.execute(select(files.c.owner).where(files.c.id == file_id)).scalar_one()
+        flow.write_vectors(conn, file_id, owner, embedder.name, vectors)
         conn.execute(update(files).where(files.c.id == file_id).values(status=READY, updated_at=db_now()))
     return file_id
 
@@ -388,14 +389,16 @@ class Bench:
         by_status = (
             select(files.c.status, func.count()).where(files.c.batch_id == batch_id).group_by(files.c.status)
         )
-        embedded = (
-            select(func.count(), func.count(chunks.c.embedding))
-            .select_from(chunks.join(files, files.c.id == chunks.c.file_id))
-            .where(files.c.batch_id == batch_id)
+        in_batch = select(files.c.id).where(files.c.batch_id == batch_id)
+        total = select(func.count()).where(chunks.c.file_id.in_(in_batch))
+        # 8 bytes a chunk id in a file's vectors row
+        vectors = select(func.coalesce(func.sum(func.length(file_vectors.c.chunk_ids)), 0)).where(
+            file_vectors.c.file_id.in_(in_batch)
         )
         with self.platform.engine.connect() as conn:
             statuses = {str(k): int(v) for k, v in conn.execute(by_status)}
-            total_chunks, with_vectors = conn.execute(embedded).one()
+            total_chunks = conn.execute(total).scalar_one()
+            with_vectors = conn.execute(vectors).scalar_one() // 8
             batch = flow.batch_summary(conn, batch_id)
         if statuses != {READY: n}:
             raise BenchError(f"batch {batch_id}: expected {n} ready files, found {statuses}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Literal
 
 from celery import Signature, chain, chord, group
-from sqlalchemy import Connection, insert, or_, select, update
+from sqlalchemy import Connection, insert, select, update
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.orm import Session
 
@@ -35,7 +35,7 @@ from conveyor.db.schema import dead_letters, jobs
 from conveyor.platform import Platform
 from conveyor.store import new_event
 from tasks.files import flow
-from tasks.files.errors import EmbeddingModelMismatch, FileRejected
+from tasks.files.errors import FileRejected
 from tasks.files.flow import BatchClosed
 from tasks.files.models import (
     ACTIVE,
@@ -531,27 +531,8 @@ def search(
         ranking = "fused" if is_semantic(embedder) else "lexical"
     # Enough chunks that ``limit`` distinct files survive one-hit-per-file.
     candidates = max(rank.CANDIDATES, 10 * limit)
+    ranked = rank.rank(platform.engine, owner, query, embedder, ranking, limit=candidates)
     with platform.engine.connect() as conn:
-        lexical = (
-            rank.lexical(conn, owner, query, limit=candidates) if ranking != "vector" else rank.Lexical([])
-        )
-        vector = rank.Vector([])
-        if ranking != "lexical":
-            _check_model(conn, owner, embedder.name)
-            query_vector = embedder.embed([query])[0]
-            vector = rank.vector(conn, owner, query_vector, embedder.name, limit=candidates)
-        if ranking == "lexical":
-            ranked = lexical.ranked
-        elif ranking == "vector":
-            ranked = vector.ranked
-        else:
-            weight = 0.0
-            if lexical.ranked:
-                top_file = conn.execute(
-                    select(chunks.c.file_id).where(chunks.c.id == lexical.ranked[0].chunk_id)
-                ).scalar_one()
-                weight = rank.coverage(conn, top_file, lexical.idf)
-            ranked = rank.blend(lexical, vector, weight)
         rows = {
             r.id: r
             for r in conn.execute(
@@ -568,32 +549,6 @@ def search(
             if len(best) == limit:
                 break
     return list(best.values())
-
-
-def _check_model(conn: Connection, owner: str, model: str) -> None:
-    """Raise :class:`EmbeddingModelMismatch` when some of ``owner``'s ready chunks carry
-    vectors of another model than ``model`` (comparing them would be garbage)."""
-    others = (
-        conn.execute(
-            select(chunks.c.model)
-            .join(files, files.c.id == chunks.c.file_id)
-            .where(
-                chunks.c.owner == owner,
-                files.c.status == READY,
-                chunks.c.embedding.is_not(None),
-                or_(chunks.c.model.is_(None), chunks.c.model != model),
-            )
-            .distinct()
-        )
-        .scalars()
-        .all()
-    )
-    if others:
-        names = ", ".join(sorted(repr(m or "unknown") for m in others))
-        raise EmbeddingModelMismatch(
-            f"{owner}'s chunks are embedded with {names} but search embeds queries with {model!r}: "
-            f"run `conveyor files reembed --user {owner}`"
-        )
 
 
 def reembed(platform: Platform, owner: str) -> int:
@@ -632,7 +587,7 @@ def reembed(platform: Platform, owner: str) -> int:
                 ids = [chunk_id for chunk_id, _ in flow.chunk_texts(conn, file_id)]
                 vectors = [(ids[ordinal], vector) for ordinal, vector in vectors]
                 conn.execute(update(files).where(files.c.id == file_id).values(chunk_count=len(pieces)))
-            flow.write_vectors(conn, embedder.name, vectors)
+            flow.write_vectors(conn, file_id, owner, embedder.name, vectors)
         written += len(vectors)
     return written
 

@@ -358,7 +358,9 @@ _LOCAL: dict[str, Callable[[], Embedder]] = {
 @lru_cache(maxsize=8)
 def load_embedder(name: str) -> Embedder:
     """The embedder called ``name`` (one instance per process, so a model loads once):
-    ``"wordllama-256"``, ``"minilm"``, ``"hashing-v1"``, or an ``http(s)://`` URL.
+    ``"wordllama-256"``, ``"minilm"``, ``"hashing-v1"``, an ``http(s)://`` URL, or
+    ``"module:Factory"`` (a callable returning an :class:`Embedder`, optionally a
+    :class:`TokenBudget`).
 
     Raises:
         ValueError: unknown name.
@@ -368,7 +370,14 @@ def load_embedder(name: str) -> Embedder:
         return _LOCAL[name]()
     if name.startswith(("http://", "https://")):
         return HttpEmbedder(name)
-    raise ValueError(f"unknown embedder {name!r}; known: {', '.join(map(repr, _LOCAL))} or an http(s) URL")
+    module, colon, attr = name.partition(":")
+    if colon and module and attr:  # "package.module:Factory", a deployment's own embedder
+        factory: Callable[[], Embedder] = getattr(importlib.import_module(module), attr)
+        return factory()
+    raise ValueError(
+        f"unknown embedder {name!r}; known: {', '.join(map(repr, _LOCAL))}, an http(s) URL,"
+        " or 'module:Factory'"
+    )
 
 
 def is_semantic(embedder: Embedder) -> bool:

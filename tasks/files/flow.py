@@ -9,10 +9,12 @@ the chord does. The chord callback and the reconciler only call :func:`try_compl
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, and_, bindparam, case, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, and_, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db.dialect import db_now
@@ -29,6 +31,7 @@ from tasks.files.models import (
     UPLOADED,
     batches,
     chunks,
+    file_vectors,
     files,
 )
 
@@ -86,6 +89,7 @@ def transition(
         },
     )
     if to == CANCELLED:  # nothing of a cancelled file stays searchable
+        conn.execute(delete(file_vectors).where(file_vectors.c.file_id == file_id))
         conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
     batch_id = before["batch_id"]
     if batch_id and to in TERMINAL:
@@ -243,7 +247,9 @@ def try_complete(conn: Connection, batch_id: str, emit: Emit) -> bool:
 
 
 def replace_chunks(conn: Connection, file_id: str, owner: str, pieces: Sequence[Chunk]) -> None:
-    """The file's chunk rows become ``pieces``: a rerun replaces them, never duplicates."""
+    """The file's chunk rows become ``pieces``: a rerun replaces them, never duplicates
+    (and the vectors of the old ones go with them)."""
+    conn.execute(delete(file_vectors).where(file_vectors.c.file_id == file_id))
     conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
     if pieces:
         conn.execute(
@@ -260,12 +266,24 @@ def chunk_texts(conn: Connection, file_id: str) -> list[tuple[int, str]]:
     return [(int(r.id), str(r.text)) for r in rows]
 
 
-def write_vectors(conn: Connection, model: str, vectors: Sequence[tuple[int, bytes]]) -> None:
-    """Store packed vectors by chunk id (one executemany; psycopg pipelines it)."""
+def write_vectors(
+    conn: Connection, file_id: str, owner: str, model: str, vectors: Sequence[tuple[int, bytes]]
+) -> None:
+    """Store the file's packed vectors, ``(chunk id, vector)`` in chunk order, as its one
+    ``file_vectors`` row (replacing what was there)."""
+    conn.execute(delete(file_vectors).where(file_vectors.c.file_id == file_id))
     if vectors:
+        ids = array("q", [chunk_id for chunk_id, _ in vectors])
+        if sys.byteorder == "big":
+            ids.byteswap()
         conn.execute(
-            update(chunks).where(chunks.c.id == bindparam("chunk_id")),
-            [{"chunk_id": chunk_id, "embedding": vector, "model": model} for chunk_id, vector in vectors],
+            insert(file_vectors).values(
+                file_id=file_id,
+                owner=owner,
+                model=model,
+                chunk_ids=ids.tobytes(),
+                vectors=b"".join(vector for _, vector in vectors),
+            )
         )
 
 

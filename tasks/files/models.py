@@ -1,4 +1,4 @@
-"""Tables of the files family: batches, files, chunks (with their vectors)."""
+"""Tables of the files family: batches, files, chunks, and each file's vectors."""
 
 from __future__ import annotations
 
@@ -87,8 +87,21 @@ chunks = Table(
     Column("owner", String(200), nullable=False),
     Column("ordinal", Integer, nullable=False),
     Column("text", Text, nullable=False),
-    Column("embedding", LargeBinary, nullable=True),
-    Column("model", String(50), nullable=True),
     Index("ix_file_chunks_file", "file_id", "ordinal"),
     Index("ix_file_chunks_owner", "owner"),
+)
+
+# A file's chunk vectors in one row (search reads a user's vectors on every query: a row
+# per file instead of per chunk is a twentieth of the rows, and rows are what costs).
+# ``chunk_ids``: int64 little-endian; ``vectors``: float32 little-endian, one per chunk id,
+# in that order (see :func:`tasks.files.embedding.pack`).
+file_vectors = Table(
+    "file_vectors",
+    metadata,
+    Column("file_id", String(36), primary_key=True),
+    Column("owner", String(200), nullable=False),
+    Column("model", String(50), nullable=False),
+    Column("chunk_ids", LargeBinary, nullable=False),
+    Column("vectors", LargeBinary, nullable=False),
+    Index("ix_file_vectors_owner", "owner", "model"),
 )

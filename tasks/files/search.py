@@ -13,8 +13,8 @@ more than it won). Lexical ranking is BM25 (k1 = 1.2, b = 0.75) where the index 
   of the match. FTS5 keeps one set of statistics per table, so there the IDF that ranks is
   computed over every user's chunks.
 
-Vector ranking reads the owner's vectors of the query's model from the database on every
-query and scores each chunk by its own cosine plus its file's (the mean of the file's
+Vector ranking reads the owner's vectors from the database on every query (one
+``file_vectors`` row per file) and scores each chunk by its own cosine plus its file's (the mean of the file's
 chunk vectors): a question often matches what a document is about better than any one
 passage of it.
 
@@ -29,14 +29,28 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from sqlalchemy import Connection, func, select, text
+from sqlalchemy import Connection, Engine, func, select, text
 
-from tasks.files.models import READY, chunks
+from tasks.files.embedding import Embedder
+from tasks.files.errors import EmbeddingModelMismatch
+from tasks.files.models import READY, chunks, file_vectors, files
 
-__all__ = ["CANDIDATES", "Lexical", "Ranked", "Vector", "blend", "coverage", "lexical", "vector", "words"]
+__all__ = [
+    "CANDIDATES",
+    "Lexical",
+    "Ranked",
+    "Vector",
+    "blend",
+    "coverage",
+    "lexical",
+    "rank",
+    "vector",
+    "words",
+]
 
 CANDIDATES = 100  # chunks each ranking brings to the fusion
 _K1, _B = 1.2, 0.75
@@ -57,7 +71,8 @@ hits AS MATERIALIZED (
     SELECT c.id, c.terms, u.lexeme, coalesce(array_length(u.positions, 1), 1) AS tf
     FROM q
     JOIN file_chunks c ON c.owner = :owner AND c.tsv @@ q.any_of::tsquery
-    JOIN files f ON f.id = c.file_id AND f.status = :ready
+        -- a user has few files that are not ready: a hashed list, not a lookup per chunk
+        AND c.file_id NOT IN (SELECT id FROM files WHERE owner = :owner AND status <> :ready)
     CROSS JOIN LATERAL unnest(ts_filter(setweight(c.tsv, 'A', q.lexemes), '{a}')) AS u
 ),
 idf AS (
@@ -156,32 +171,62 @@ def lexical(conn: Connection, owner: str, query: str, *, limit: int = CANDIDATES
 def vector(
     conn: Connection, owner: str, query: Sequence[float], model: str, *, limit: int = CANDIDATES
 ) -> Vector:
-    """The owner's ready chunks embedded by ``model``, best first, each scored by the
-    cosine of its vector and of its file's mean vector to ``query`` (a ``model`` vector)."""
-    rows = conn.execute(
-        text(
-            "SELECT c.id, c.file_id, c.embedding FROM file_chunks c JOIN files f ON f.id = c.file_id"
-            " WHERE c.owner = :owner AND c.model = :model AND c.embedding IS NOT NULL"
-            " AND f.status = :ready"
-        ),
-        {"owner": owner, "model": model, "ready": READY},
-    ).all()
+    """The owner's ready chunks, best first, each scored by the cosine of its vector and
+    of its file's mean vector to ``query`` (a vector of ``model``).
+
+    Raises:
+        EmbeddingModelMismatch: some of those files were embedded by another model.
+    """
+    rows = _stored_vectors(conn, owner)
+    others = sorted({r[0] for r in rows if r[0] != model})
+    if others:
+        raise EmbeddingModelMismatch(
+            f"{owner}'s chunks are embedded with {', '.join(map(repr, others))} but search embeds "
+            f"queries with {model!r}: run `conveyor files reembed --user {owner}`"
+        )
     if not rows:
         return Vector([])
     q = np.asarray(query, dtype=np.float32)
-    matrix = np.frombuffer(b"".join(bytes(r.embedding) for r in rows), dtype="<f4").reshape(len(rows), -1)
-    if matrix.shape[1] != q.shape[0]:
-        raise ValueError(f"{model} vectors have {matrix.shape[1]} components, the query {q.shape[0]}")
-    _, file_of = np.unique([r.file_id for r in rows], return_inverse=True)
-    gist = np.zeros((int(file_of.max()) + 1, matrix.shape[1]), dtype=np.float32)
-    np.add.at(gist, file_of, matrix)
+    ids = np.frombuffer(b"".join(r[1] for r in rows), dtype="<i8")
+    matrix = np.frombuffer(b"".join(r[2] for r in rows), dtype="<f4")
+    if matrix.size != ids.size * q.size:
+        raise ValueError(f"{model} vectors do not have the query's {q.size} components")
+    matrix = matrix.reshape(ids.size, q.size)
+    counts = np.array([len(r[1]) // 8 for r in rows])
+    file_of = np.repeat(np.arange(len(rows)), counts)
+    gist = np.add.reduceat(matrix, np.concatenate(([0], np.cumsum(counts)[:-1])), axis=0)
     scores = _cosines(matrix, q) + _cosines(gist, q)[file_of]
-    top = np.argsort(-scores, kind="stable")[:limit]
-    return Vector([Ranked(int(rows[i].id), float(scores[i])) for i in top], float(np.median(scores)))
+    best = np.argpartition(-scores, limit)[:limit] if scores.size > limit else np.arange(scores.size)
+    top = best[np.lexsort((ids[best], -scores[best]))]
+    return Vector([Ranked(int(ids[i]), float(scores[i])) for i in top], float(np.median(scores)))
+
+
+_PG_VECTORS = (
+    "SELECT v.model, v.chunk_ids, v.vectors FROM file_vectors v JOIN files f ON f.id = v.file_id"
+    " WHERE v.owner = %(owner)s AND f.owner = %(owner)s AND f.status = %(ready)s"
+)
+
+
+def _stored_vectors(conn: Connection, owner: str) -> list[tuple[str, bytes, bytes]]:
+    """``(model, chunk_ids, vectors)`` of the owner's ready files."""
+    if conn.dialect.name == "postgresql":
+        # Binary results: in text format every vector byte arrives as two hex digits to
+        # decode, which cost more than the whole query for a user with 20k chunks.
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor(binary=True) as cursor:
+            cursor.execute(_PG_VECTORS, {"owner": owner, "ready": READY})
+            return [(str(m), bytes(i), bytes(v)) for m, i, v in cursor.fetchall()]
+    rows = conn.execute(
+        select(file_vectors.c.model, file_vectors.c.chunk_ids, file_vectors.c.vectors)
+        .join(files, files.c.id == file_vectors.c.file_id)
+        .where(file_vectors.c.owner == owner, files.c.owner == owner, files.c.status == READY)
+    ).all()
+    return [(str(r.model), bytes(r.chunk_ids), bytes(r.vectors)) for r in rows]
 
 
 def _cosines(matrix: np.ndarray, q: np.ndarray) -> np.ndarray:
-    norms = np.linalg.norm(matrix, axis=1) * float(np.linalg.norm(q))
+    norms = np.sqrt(np.einsum("ij,ij->i", matrix, matrix)) * float(np.linalg.norm(q))
     out = np.zeros(len(matrix), dtype=np.float32)
     np.divide(matrix @ q, norms, out=out, where=norms > 0)
     return out
@@ -196,6 +241,47 @@ def coverage(conn: Connection, file_id: str, idf: dict[str, float]) -> float:
     for (chunk_text,) in conn.execute(select(chunks.c.text).where(chunks.c.file_id == file_id)):
         present.update(words(chunk_text))
     return sum(w for term, w in idf.items() if term in present) / total
+
+
+# Lexical ranking runs in the database while vectors are scored here: in parallel, a
+# query costs the slower of the two instead of their sum.
+_LEXICAL_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="search-lexical")
+
+
+def rank(
+    engine: Engine, owner: str, query: str, embedder: Embedder, ranking: str, *, limit: int = CANDIDATES
+) -> list[Ranked]:
+    """The owner's best chunks for ``query`` by ``ranking`` ("lexical", "vector" or
+    "fused"), best first.
+
+    Raises:
+        EmbeddingModelMismatch: a ranking with vectors, and some of the owner's files were
+            embedded by another model than ``embedder``.
+    """
+
+    def run_lexical() -> Lexical:
+        with engine.connect() as conn:
+            return lexical(conn, owner, query, limit=limit)
+
+    if ranking == "lexical":
+        return run_lexical().ranked
+    pending = _LEXICAL_POOL.submit(run_lexical) if ranking == "fused" else None
+    try:
+        query_vector = embedder.embed([query])[0]
+        with engine.connect() as conn:
+            found = vector(conn, owner, query_vector, embedder.name, limit=limit)
+    finally:
+        lexical_result = pending.result() if pending is not None else Lexical([])
+    if ranking == "vector":
+        return found.ranked
+    weight = 0.0
+    if lexical_result.ranked:
+        with engine.connect() as conn:
+            top_file = conn.execute(
+                select(chunks.c.file_id).where(chunks.c.id == lexical_result.ranked[0].chunk_id)
+            ).scalar_one()
+            weight = coverage(conn, top_file, lexical_result.idf)
+    return blend(lexical_result, found, weight)
 
 
 def blend(lexical: Lexical, vector: Vector, weight: float) -> list[Ranked]:

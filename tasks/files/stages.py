@@ -314,14 +314,14 @@ def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
 
     Vectors are computed (and packed, batch by batch) before the job's transaction opens.
     """
-    _begin(ctx, p, (), EMBEDDING)
+    row = _begin(ctx, p, (), EMBEDDING)
     embedder = _embedder(_settings().files.embedder)
     with reading(platform.engine) as conn:
         texts = flow.chunk_texts(conn, p.file_id)
     vectors = embed_packed(embedder, texts, batch=EMBED_BATCH, between=lambda: ctx.checkpoint(fresh=False))
     del texts
     _advance(ctx, p, EMBEDDING, READY)
-    flow.write_vectors(ctx.connection, embedder.name, vectors)
+    flow.write_vectors(ctx.connection, p.file_id, row["owner"], embedder.name, vectors)
     return {"file_id": p.file_id, "name": p.name}
 
 

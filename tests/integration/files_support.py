@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from conveyor.db.schema import job_events
 from pipelines.files import Upload
@@ -143,3 +143,16 @@ def check_messy(platform: Any, owner: str, ids: dict[str, str]) -> None:
         assert (job["status"], job["attempts"], letters) == ("dead", 1, 1), name
     encodings = {name: file_row(platform, ids[name])["encoding"] for name in ("latin1.txt", "utf16.txt")}
     assert encodings["utf16.txt"].startswith("utf_16") and encodings["latin1.txt"] in ("latin_1", "cp1252")
+
+
+def embedded_chunks(platform: Any, file_ids: list[str]) -> int:
+    """How many chunk vectors the files' ``file_vectors`` rows hold (8 bytes a chunk id)."""
+    from tasks.files.models import file_vectors
+
+    with platform.engine.connect() as conn:
+        size = conn.execute(
+            select(func.coalesce(func.sum(func.length(file_vectors.c.chunk_ids)), 0)).where(
+                file_vectors.c.file_id.in_(file_ids)
+            )
+        ).scalar_one()
+    return int(size) // 8

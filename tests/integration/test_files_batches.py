@@ -421,7 +421,7 @@ def test_search_compares_only_vectors_of_its_model_and_reembed_fixes_a_change(
     from conveyor.procs import service_env
     from pipelines.files import search
     from tasks.files.errors import EmbeddingModelMismatch
-    from tasks.files.models import chunks
+    from tasks.files.models import file_vectors
 
     batch_id = process_batch(platform, tag, [_doc("lighthouses"), _doc("orchids")])
     completed(platform, batch_id, timeout=60)
@@ -429,9 +429,9 @@ def test_search_compares_only_vectors_of_its_model_and_reembed_fixes_a_change(
     ids = [f["id"] for f in batch_status(platform, batch_id)["files"]]
     with platform.engine.begin() as conn:  # as if written by another model, 768-d
         conn.execute(
-            chunks.update()
-            .where(chunks.c.file_id == ids[0])
-            .values(model="other-768d", embedding=b"\0" * 3072)
+            file_vectors.update()
+            .where(file_vectors.c.file_id == ids[0])
+            .values(model="other-768d", vectors=b"\0" * 3072)
         )
     with pytest.raises(EmbeddingModelMismatch, match=r"other-768d.*wordllama-256"):
         search(platform, "Fresnel lens keeper", owner=tag)

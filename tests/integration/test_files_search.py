@@ -12,12 +12,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, text
+from sqlalchemy import insert, text, update
 
-from pipelines.files import search
-from tasks.files.embedding import load_embedder, pack
+from pipelines.files import reembed, search
+from tasks.files import flow
+from tasks.files.chunking import Chunk
+from tasks.files.embedding import HashingEmbedder, load_embedder, pack
 from tasks.files.errors import EmbeddingModelMismatch
-from tasks.files.models import FAILED, READY, chunks, files
+from tasks.files.models import FAILED, READY, files
+from tests.integration.files_support import embedded_chunks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,11 +39,10 @@ def db(request: pytest.FixtureRequest, platform: Any) -> Iterator[Any]:
 def put(
     platform: Any, owner: str, name: str, *texts: str, status: str = READY, model: str | None = None
 ) -> str:
-    """A file of ``owner`` with one chunk per text, embedded (by ``model``'s name) unless
-    ``model`` is "", written as the embed stage leaves it."""
+    """A file of ``owner`` with one chunk per text, embedded (under ``model``'s name)
+    unless ``model`` is "", written as the chunk and embed stages leave it."""
     file_id = str(uuid.uuid4())
     now = datetime.now(UTC)
-    vectors = MODEL.embed(list(texts))
     with platform.engine.begin() as conn:
         conn.execute(
             insert(files).values(
@@ -48,18 +50,18 @@ def put(
                 status=status, created_at=now, updated_at=now,
             )
         )  # fmt: skip
-        conn.execute(
-            insert(chunks),
-            [
-                {
-                    "file_id": file_id, "owner": owner, "ordinal": i, "text": t,
-                    "embedding": pack(v) if model != "" else None,
-                    "model": (model or MODEL.name) if model != "" else None,
-                }
-                for i, (t, v) in enumerate(zip(texts, vectors, strict=True))
-            ],
-        )  # fmt: skip
+        flow.replace_chunks(conn, file_id, owner, chunk_pieces(texts))
+        if model != "":
+            ids = [chunk_id for chunk_id, _ in flow.chunk_texts(conn, file_id)]
+            vectors = [pack(v) for v in MODEL.embed(list(texts))]
+            flow.write_vectors(
+                conn, file_id, owner, model or MODEL.name, list(zip(ids, vectors, strict=True))
+            )
     return file_id
+
+
+def chunk_pieces(texts: tuple[str, ...]) -> list[Chunk]:
+    return [Chunk(i, t, 0, len(t), 1) for i, t in enumerate(texts)]
 
 
 def names(hits: list[Any]) -> list[str]:
@@ -178,3 +180,34 @@ def test_bm25_on_postgres_is_the_formula_over_the_owners_chunks(platform: Any, t
     )
     for r in got:
         assert r.score == pytest.approx(expected[ordinals[r.chunk_id]], rel=1e-9)
+
+
+class TinyBudget:
+    """An embedder that reads at most 12 tokens (words + 2), to show chunks cut for it."""
+
+    name = "tiny-budget"
+    dim = 384
+    max_tokens = 12
+
+    def count_tokens(self, texts: Any) -> list[int]:
+        return [len(t.split()) + 2 for t in texts]
+
+    def embed(self, texts: Any) -> list[list[float]]:
+        return HashingEmbedder().embed(texts)
+
+
+def test_reembed_for_a_model_with_a_token_budget_cuts_the_chunks_again(
+    platform: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    long = " ".join(f"word{i}" for i in range(40)) + " lighthouse"
+    file_id = put(platform, tag, "long.txt", long)
+    with platform.engine.begin() as conn:
+        conn.execute(update(files).where(files.c.id == file_id).values(text=long))
+    monkeypatch.setattr(platform.settings.files, "embedder", f"{__name__}:TinyBudget")
+    assert reembed(platform, tag) > 1
+    with platform.engine.connect() as conn:
+        pieces = flow.chunk_texts(conn, file_id)
+    assert len(pieces) > 1 and all(len(t.split()) + 2 <= 12 for _, t in pieces)
+    assert embedded_chunks(platform, [file_id]) == len(pieces)
+    hits = search(platform, "lighthouse", owner=tag, ranking="vector")
+    assert [h.name for h in hits] == ["long.txt"] and "lighthouse" in hits[0].text

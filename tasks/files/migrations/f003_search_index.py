@@ -1,4 +1,5 @@
-"""a lexical index on chunks: BM25 by owner (Postgres: tsvector + GIN; SQLite: FTS5)
+"""search: a lexical index on chunks (Postgres: tsvector + GIN; SQLite: FTS5) and a
+file's vectors in one row (file_vectors), moved from file_chunks.embedding
 
 Revision ID: f003
 Revises: f002
@@ -6,6 +7,10 @@ Revises: f002
 
 from __future__ import annotations
 
+import struct
+from typing import Any
+
+import sqlalchemy as sa
 from alembic import op
 
 revision = "f003"
@@ -16,18 +21,18 @@ depends_on = None
 # Postgres: the chunk's words and its length in word occurrences (BM25's document length),
 # both generated from ``text`` so every writer (stages, reembed, benches) keeps them. Words
 # are plain: runs of word characters, lowercased, no stemming or stopwords (the default
-# parser keeps ``os.path.join`` or a URL as one token, so "join" would not find it). A GIN index on (owner, tsv) needs btree_gin (trusted since Postgres 13) so the
-# owner scopes the index scan itself.
+# parser keeps ``os.path.join`` or a URL as one token, so "join" would not find it). A GIN
+# index on (owner, tsv) needs btree_gin (trusted since Postgres 13) so the owner scopes the
+# index scan itself.
+_PG_WORDS = "to_tsvector('simple'::regconfig, regexp_replace(text, '\\W+', ' ', 'g'))"
 _PG_UP = [
     "CREATE EXTENSION IF NOT EXISTS btree_gin",
     """CREATE FUNCTION file_chunk_terms(tsvector) RETURNS integer
        LANGUAGE sql IMMUTABLE PARALLEL SAFE
        AS $$ SELECT coalesce(sum(coalesce(array_length(positions, 1), 1)), 0)::integer FROM unnest($1) $$""",
-    """ALTER TABLE file_chunks
-       ADD COLUMN tsv tsvector GENERATED ALWAYS AS
-           (to_tsvector('simple'::regconfig, regexp_replace(text, '\\W+', ' ', 'g'))) STORED,
-       ADD COLUMN terms integer GENERATED ALWAYS AS
-           (file_chunk_terms(to_tsvector('simple'::regconfig, regexp_replace(text, '\\W+', ' ', 'g')))) STORED""",
+    f"""ALTER TABLE file_chunks
+       ADD COLUMN tsv tsvector GENERATED ALWAYS AS ({_PG_WORDS}) STORED,
+       ADD COLUMN terms integer GENERATED ALWAYS AS (file_chunk_terms({_PG_WORDS})) STORED""",
     "CREATE INDEX ix_file_chunks_owner_tsv ON file_chunks USING gin (owner, tsv)",
 ]
 _PG_DOWN = [
@@ -68,10 +73,54 @@ _SQLITE_DOWN = [
 
 
 def upgrade() -> None:
+    vectors = op.create_table(
+        "file_vectors",
+        sa.Column("file_id", sa.String(36), primary_key=True),
+        sa.Column("owner", sa.String(200), nullable=False),
+        sa.Column("model", sa.String(50), nullable=False),
+        sa.Column("chunk_ids", sa.LargeBinary(), nullable=False),
+        sa.Column("vectors", sa.LargeBinary(), nullable=False),
+    )
+    op.create_index("ix_file_vectors_owner", "file_vectors", ["owner", "model"])
+    _move_vectors(vectors)
+    # Before the FTS triggers exist: SQLite's batch mode rebuilds the table.
+    with op.batch_alter_table("file_chunks") as batch:
+        batch.drop_column("embedding")
+        batch.drop_column("model")
     for statement in _PG_UP if op.get_bind().dialect.name == "postgresql" else _SQLITE_UP:
         op.execute(statement)
+
+
+def _move_vectors(vectors: sa.Table) -> None:
+    """Each file's chunk vectors (one model per file: the embed stage writes them together)."""
+    conn = op.get_bind()
+    rows = conn.execute(
+        sa.text(
+            "SELECT file_id, owner, model, id, embedding FROM file_chunks"
+            " WHERE embedding IS NOT NULL ORDER BY file_id, ordinal"
+        )
+    ).all()
+    grouped: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        entry = grouped.setdefault(
+            r.file_id, {"owner": r.owner, "model": r.model or "unknown", "ids": [], "v": []}
+        )
+        entry["ids"].append(r.id)
+        entry["v"].append(bytes(r.embedding))
+    for file_id, e in grouped.items():
+        conn.execute(
+            vectors.insert().values(
+                file_id=file_id, owner=e["owner"], model=e["model"],
+                chunk_ids=struct.pack(f"<{len(e['ids'])}q", *e["ids"]), vectors=b"".join(e["v"]),
+            )
+        )  # fmt: skip
 
 
 def downgrade() -> None:
     for statement in _PG_DOWN if op.get_bind().dialect.name == "postgresql" else _SQLITE_DOWN:
         op.execute(statement)
+    with op.batch_alter_table("file_chunks") as batch:
+        batch.add_column(sa.Column("embedding", sa.LargeBinary(), nullable=True))
+        batch.add_column(sa.Column("model", sa.String(50), nullable=True))
+    op.drop_index("ix_file_vectors_owner", "file_vectors")
+    op.drop_table("file_vectors")  # chunks come back unembedded: run conveyor files reembed
