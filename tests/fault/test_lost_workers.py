@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from sqlalchemy import select
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now
+from conveyor.db.schema import job_events
 from conveyor.procs import service_env
 from conveyor.settings import ConveyorSettings
 from conveyor.store import counted_attempts
@@ -39,28 +41,73 @@ def _db_now(platform: Any) -> Any:
         return conn.execute(select(db_now())).scalar_one()
 
 
+def _state(pid: int) -> str:
+    """The process state letter of ``pid`` (``T``: stopped), or ``gone``."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def _sole_pool_process(platform: Any, worker: subprocess.Popen[bytes], probe: str) -> int:
+    """The pid of ``worker``'s only pool process, proven to be the one that runs its jobs:
+    a probe job reports the pid that ran it (the pool is up, and nothing else runs jobs)."""
+    open_barrier(platform, probe, n=1)  # the probe passes its barrier at once
+    handle = platform.submit("conveyor.demo.effect", {"note": probe, "barrier": probe})
+    ran_in = int(started(platform, probe)[0].rsplit(":", 1)[1])
+    assert handle.wait(30) == s.SUCCEEDED, _story(platform, handle.id)
+    pool = children(worker.pid)
+    assert pool == [ran_in], f"pool processes {pool}, the probe ran in {ran_in}"
+    return ran_in
+
+
+def _story(platform: Any, job_id: str, logs: Path | None = None, note: str = "") -> str:
+    """A job's row and events (and the workers' logs), for an assertion message."""
+    cols = ("status", "attempts", "uncounted", "requeues", "lease_owner", "started_at", "last_error")
+    with platform.engine.connect() as conn:
+        row = platform.store.get(conn, job_id)
+        events = conn.execute(
+            select(job_events.c.created_at, job_events.c.topic, job_events.c.body)
+            .where(job_events.c.job_id == job_id)
+            .order_by(job_events.c.id)
+        ).all()
+    lines = [f"{note}job {job_id}: " + (", ".join(f"{c}={row[c]}" for c in cols) if row else "missing")]
+    lines += [f"  {e.created_at:%H:%M:%S.%f} {e.topic} {json.dumps(e.body)}" for e in events]
+    for log in sorted(logs.glob("worker-*.log")) if logs is not None else []:
+        lines.append(f"--- {log.name} (tail)")
+        lines += [ln for ln in log.read_text().splitlines() if " [" in ln][-40:]
+    return "\n".join(lines)
+
+
 def test_message_taken_by_a_worker_killed_before_its_claim_runs_within_30s(
-    platform: Any, spawn: Spawn, tag: str
+    platform: Any, spawn: Spawn, tag: str, tmp_path: Path
 ) -> None:
     first = spawn(concurrency=1, env=DEFAULT_TIMERS)
-    (child,) = eventually(lambda: children(first.pid), timeout=30)
+    child = _sole_pool_process(platform, first, f"{tag}-probe")
     os.kill(child, signal.SIGSTOP)  # it will take the next message and never claim it
+    eventually(lambda: _state(child) == "T", timeout=10)
     handle = platform.submit("conveyor.demo.effect", {"note": tag})
     r = platform.redis
     prefix = platform.settings.key_prefix
 
-    def delivered() -> bool:
-        workers = [w.decode() for w in r.hkeys(f"{prefix}workers")]
+    def delivered() -> bool:  # to the first worker (its id is "<hostname>:<pid>")
+        workers = [w.decode() for w in r.hkeys(f"{prefix}workers") if w.decode().endswith(f":{first.pid}")]
         return any(r.zscore(f"{prefix}delivered:{w}", handle.id) is not None for w in workers)
 
     eventually(delivered, timeout=30)
+    # The premise: the only pool process is stopped and the job was never claimed.
+    row = handle.row()
+    premise = (children(first.pid), _state(child), row["status"], row["attempts"])
+    assert premise == ([child], "T", s.QUEUED, 0), _story(platform, handle.id, tmp_path, f"{premise}: ")
     killed_at = _db_now(platform)
     kill_group(first)
     spawn(env=DEFAULT_TIMERS)
-    assert handle.wait(60) == s.SUCCEEDED
+    status = handle.wait(60)
     row = handle.row()
-    assert (row["started_at"] - killed_at).total_seconds() < 30
-    assert counted_attempts(row) == 1 and effect_count(platform, note=tag) == 1
+    story = _story(platform, handle.id, tmp_path, f"killed at {killed_at:%H:%M:%S.%f}: ")
+    assert status == s.SUCCEEDED, story
+    assert (row["started_at"] - killed_at).total_seconds() < 30, story
+    assert (counted_attempts(row), effect_count(platform, note=tag)) == (1, 1), story
 
 
 def test_dead_workers_running_job_is_taken_over_by_the_lease_path_within_15s(
