@@ -179,3 +179,8 @@ def _check_quality(platform: Any, owner: str, backend: str) -> None:
 
 def test_search_quality_against_bm25(platform: Any, worker: Any, tag: str) -> None:
     _check_quality(platform, tag, "postgres")
+
+
+def test_search_quality_against_bm25_on_sqlite(on_sqlite: Any, worker: Any, tag: str) -> None:
+    """The same on SQLite (FTS5's bm25(), IDF over the whole table: here, one user's)."""
+    _check_quality(on_sqlite, tag, "sqlite")
