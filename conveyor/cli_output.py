@@ -34,6 +34,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy import Engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from conveyor.db.dialect import READ_ONLY
 from conveyor.errors import ConveyorError, DatabaseBusy, is_connection_loss
@@ -383,9 +384,21 @@ def run_waiting(fn: Callable[[], int | None], *, wait: float | None, repeat: boo
     except ConveyorError as exc:
         err.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True, highlight=False)
         return 2
+    except DBAPIError as exc:
+        if not _missing_table(exc):
+            raise
+        message = "the database has no Conveyor tables (or not all of them): run `conveyor db upgrade`"
+        err.print(Text.assemble(("error: ", "red"), message), soft_wrap=True, highlight=False)
+        return 2
     finally:
         _active.remove(waiter)
         waiter.detach()
+
+
+def _missing_table(exc: DBAPIError) -> bool:
+    """Postgres' undefined_table or undefined_function (a migration's function), or
+    SQLite's "no such table"."""
+    return getattr(exc.orig, "sqlstate", None) in ("42P01", "42883") or "no such table" in str(exc.orig)
 
 
 def wait_until_writable(engine: Engine) -> None:

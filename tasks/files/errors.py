@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conveyor.errors import PermanentError, TransientError
+from conveyor.errors import ConfigurationError, PermanentError, TransientError
 
 
 class FileRejected(PermanentError):
@@ -68,3 +68,11 @@ class UploadInterrupted(TransientError):
 class EmbeddingModelMismatch(PermanentError):
     """Stored vectors come from another model than the one search embeds queries with:
     comparing them would give meaningless scores. Re-embed (``conveyor files reembed``)."""
+
+
+class UnknownEmbedder(ConfigurationError, ValueError):
+    """The configured embedder is none that Conveyor knows (``CONVEYOR_FILES``' ``embedder``)."""
+
+
+class EmbedderMissing(ConfigurationError, RuntimeError):
+    """The configured embedder's package is not installed."""

@@ -5,21 +5,27 @@ errors, and the model check that only vector rankings need."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
 import pytest
 from sqlalchemy import insert, text, update
 
-from pipelines.files import reembed, search
+from conveyor.errors import PayloadInvalid
+from conveyor.procs import service_env
+from pipelines.files import new_batch, reembed, search
 from tasks.files import flow
 from tasks.files.chunking import Chunk
 from tasks.files.embedding import HashingEmbedder, load_embedder, pack
 from tasks.files.errors import EmbeddingModelMismatch
 from tasks.files.models import FAILED, READY, files
+from tests.conftest import PG_BASE
 from tests.integration.files_support import embedded_chunks
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,7 +106,6 @@ def test_hostile_query_text_is_just_words(db: Any, tag: str) -> None:
         for ranking in ("lexical", "fused"):
             hits = search(db, query, owner=tag, ranking=ranking)
             assert names(hits) in ([], ["notes.txt"]), (query, ranking)
-    assert names(search(db, "?!", owner=tag, ranking="lexical")) == []
 
 
 def test_empty_query_bad_limit_and_unknown_ranking_are_clear_errors(db: Any, tag: str) -> None:
@@ -113,18 +118,45 @@ def test_empty_query_bad_limit_and_unknown_ranking_are_clear_errors(db: Any, tag
 
 
 def test_one_hit_per_file_and_the_limit_counts_files(db: Any, tag: str) -> None:
-    put(db, tag, "long.txt", *[f"glacier moraine number {i}" for i in range(30)])
+    put(db, tag, "long.txt", *[f"glacier moraine number {i}" for i in range(130)])
     for i in range(6):
         put(db, tag, f"short-{i}.txt", f"a glacier {i}")
-    hits = search(db, "glacier moraine", owner=tag, limit=4, ranking="lexical")
-    assert len(hits) == 4 and len(set(names(hits))) == 4 and names(hits)[0] == "long.txt"
+    for ranking in ("lexical", "vector", "fused"):
+        hits = search(db, "glacier moraine", owner=tag, limit=4, ranking=ranking)
+        assert len(hits) == 4 and len(set(names(hits))) == 4, ranking
+        assert names(hits)[0] == "long.txt", ranking
+    assert len(search(db, "glacier", owner=tag, limit=50, ranking="vector")) == 7
+
+
+def test_a_query_with_no_word_finds_nothing_and_an_unrelated_one_scores_low(db: Any, tag: str) -> None:
+    put(db, tag, "bees.txt", "the queen bee lays eggs in the brood frames of the hive")
+    put(db, tag, "licence.txt", "permission is granted to copy, modify and distribute this software")
+    for query in ("(", "🎉", "' -- ?!"):
+        for ranking in ("lexical", "vector", "fused"):
+            assert search(db, query, owner=tag, ranking=ranking) == [], (query, ranking)
+    matched = search(db, "queen bee brood", owner=tag)
+    assert names(matched)[0] == "bees.txt" and matched[0].score == pytest.approx(1.0)
+    unrelated = search(db, "volcanic eruption lava", owner=tag)
+    assert all(h.score < 0.5 for h in unrelated), [(h.name, h.score) for h in unrelated]
+
+
+def test_wrong_types_are_refused_clearly(db: Any, tag: str) -> None:
+    with pytest.raises(TypeError, match="the query must be a str, not NoneType"):
+        search(db, None, owner=tag)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="limit must be an int, not float"):
+        search(db, "x", owner=tag, limit=1.5)  # type: ignore[arg-type]
 
 
 def test_vectors_of_another_model_fail_vector_rankings_and_not_lexical(db: Any, tag: str) -> None:
     put(db, tag, "old.txt", "lighthouse keeper", model="hashing-v1")
     put(db, tag, "unembedded.txt", "lighthouse lens", model="")  # embed stage not run: ignored
-    with pytest.raises(EmbeddingModelMismatch, match=r"'hashing-v1'.*'wordllama-256'.*reembed"):
+    with pytest.raises(EmbeddingModelMismatch, match=r"'hashing-v1'.*'wordllama-256'.*reembed --user"):
         search(db, "lighthouse", owner=tag)
+    odd = tag + " o'brien"
+    put(db, odd, "old.txt", "lighthouse keeper", model="hashing-v1")
+    with pytest.raises(EmbeddingModelMismatch) as caught:
+        search(db, "lighthouse", owner=odd)
+    assert str(caught.value).endswith(f"reembed --user '{tag} o'\"'\"'brien'`")  # pastable
     assert set(names(search(db, "lighthouse", owner=tag, ranking="lexical"))) == {"old.txt", "unembedded.txt"}
 
 
@@ -140,24 +172,25 @@ def test_bm25_on_postgres_is_the_formula_over_the_owners_chunks(platform: Any, t
         "Ice cores from a glacier record old air in bubbles of ice and more ice.",
         "See glacier.ice.moraine and https://example.org/ice/glacier for data.",
     ]
-    put(platform, tag, "corpus.txt", *corpus)
+    for i, chunk in enumerate(corpus):  # a file each: a ranking lists a file by its best chunk
+        put(platform, tag, f"{i}.txt", chunk)
     put(platform, tag + "-other", "other.txt", *["glacier glacier moraine"] * 20)  # not in the stats
     query = "glacier moraine ice"
     with platform.engine.connect() as conn:
         rows = conn.execute(
             text(
-                "SELECT c.ordinal, u.lexeme, array_length(u.positions, 1) AS tf"
-                " FROM file_chunks c, unnest(c.tsv) u WHERE c.owner = :o"
+                "SELECT split_part(f.name, '.', 1)::int AS i, u.lexeme, array_length(u.positions, 1) AS tf"
+                " FROM file_chunks c JOIN files f ON f.id = c.file_id, unnest(c.tsv) u WHERE c.owner = :o"
             ),
             {"o": tag},
         ).all()
         wanted = conn.execute(
-            text("SELECT tsvector_to_array(to_tsvector('simple', regexp_replace(:q, '\\W+', ' ', 'g')))"),
+            text("SELECT tsvector_to_array(file_chunk_words(:q))"),
             {"q": query},
         ).scalar_one()
     tf: dict[int, Counter[str]] = {i: Counter() for i in range(len(corpus))}
     for r in rows:
-        tf[r.ordinal][r.lexeme] = r.tf
+        tf[r.i][r.lexeme] = r.tf
     n, avgdl = len(corpus), sum(sum(c.values()) for c in tf.values()) / len(corpus)
     df = {t: sum(1 for c in tf.values() if c[t]) for t in wanted}
     expected = {
@@ -173,7 +206,13 @@ def test_bm25_on_postgres_is_the_formula_over_the_owners_chunks(platform: Any, t
     with platform.engine.connect() as conn:
         got = lexical(conn, tag, query).ranked
         ordinals = dict(
-            conn.execute(text("SELECT id, ordinal FROM file_chunks WHERE owner = :o"), {"o": tag}).all()
+            conn.execute(
+                text(
+                    "SELECT c.id, split_part(f.name, '.', 1)::int FROM file_chunks c"
+                    " JOIN files f ON f.id = c.file_id WHERE c.owner = :o"
+                ),
+                {"o": tag},
+            ).all()
         )
     assert [ordinals[r.chunk_id] for r in got] == sorted(
         (i for i in expected if expected[i] > 0), key=lambda i: -expected[i]
@@ -211,3 +250,45 @@ def test_reembed_for_a_model_with_a_token_budget_cuts_the_chunks_again(
     assert embedded_chunks(platform, [file_id]) == len(pieces)
     hits = search(platform, "lighthouse", owner=tag, ranking="vector")
     assert [h.name for h in hits] == ["long.txt"] and "lighthouse" in hits[0].text
+
+
+def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "conveyor", "files", "search", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_search_mistakes_get_one_line_and_exit_2(platform: Any, tag: str) -> None:
+    env = service_env(platform.settings)
+    unknown = _cli({**env, "CONVEYOR_FILES": '{"embedder": "no-such-model"}'}, "yaml", "--user", tag)
+    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr, unknown.stderr[-2000:]
+    assert "unknown embedder 'no-such-model'" in unknown.stderr
+    name = f"conveyor_empty_{tag}"
+    with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        empty = _cli({**env, "CONVEYOR_DATABASE_URL": f"{PG_BASE}/{name}"}, "yaml", "--user", tag)
+    finally:
+        with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-2000:]
+    assert "run `conveyor db upgrade`" in empty.stderr
+
+
+def test_an_owner_both_databases_can_store_or_a_clear_refusal(db: Any) -> None:
+    for owner in ("x" * 201, "", "   "):
+        with pytest.raises(PayloadInvalid, match="an owner is 1 to 200 characters"):
+            new_batch(db, owner)
+        with pytest.raises(PayloadInvalid):
+            search(db, "lighthouse", owner=owner)
+    assert search(db, "lighthouse", owner="x" * 200) == []
+
+
+def test_accents_and_case_fold_alike_on_both_databases(db: Any, tag: str) -> None:
+    put(db, tag, "cafe.txt", "Le Café de Flore sert une crème brûlée")
+    put(db, tag, "strasse.txt", "Die STRASSE führt nach Zürich")
+    for query, found in (
+        ("cafe creme brulee", "cafe.txt"),
+        ("CAFÉ", "cafe.txt"),
+        ("zurich fuhrt", "strasse.txt"),
+    ):
+        assert names(search(db, query, owner=tag, ranking="lexical"))[:1] == [found], query

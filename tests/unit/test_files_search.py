@@ -32,21 +32,29 @@ def wordpieces(texts: list[str] | tuple[str, ...]) -> list[int]:
 
 
 def test_blend_weighs_lexical_by_coverage_and_drops_what_neither_ranks() -> None:
-    lexical = Lexical([Ranked(1, 8.0), Ranked(2, 4.0)], {"glacier": 2.0})
-    vector = Vector([Ranked(3, 1.5), Ranked(2, 1.1), Ranked(4, 0.2)], median=0.5)
-    assert [r.chunk_id for r in blend(lexical, vector, 1.0)] == [1, 2]  # all words in one file
-    assert [r.chunk_id for r in blend(lexical, vector, 0.0)] == [3, 2]  # none: below median drops
+    lexical = Lexical([Ranked(1, "a", 8.0), Ranked(2, "b", 4.0)], {"glacier": 2.0})
+    vector = Vector([Ranked(3, "c", 1.5), Ranked(20, "b", 1.1), Ranked(4, "d", 0.2)], median=0.5)
+    assert [r.file_id for r in blend(lexical, vector, 1.0)] == ["a", "b"]  # all words in one file
+    assert [r.file_id for r in blend(lexical, vector, 0.0)] == ["c", "b"]  # below the median drops
     mixed = blend(lexical, vector, 0.5)
-    assert [r.chunk_id for r in mixed] == [2, 1, 3]
-    assert mixed[0].score == pytest.approx(0.5 * 4 / 8 + 0.5 * (1.1 - 0.5) / (1.5 - 0.5))
+    assert [(r.file_id, r.chunk_id) for r in mixed] == [
+        ("b", 2),
+        ("a", 1),
+        ("c", 3),
+    ]  # b shows its lexical chunk
+    confidence = 0.5 + 0.5 * min(1.0, 1.5 / 2)
+    assert mixed[0].score == pytest.approx((0.5 * 4 / 8 + 0.5 * (1.1 - 0.5) / (1.5 - 0.5)) * confidence)
     assert blend(Lexical([]), Vector([]), 0.3) == []
-    assert [r.chunk_id for r in blend(Lexical([Ranked(5, 1.0)]), Vector([Ranked(6, 0.9)], 0.1), 0.5)] == [
-        5,
-        6,
-    ]
 
 
-def test_words_are_plain_and_case_folded() -> None:
+def test_a_query_only_the_vectors_answer_weakly_scores_low() -> None:
+    weak = blend(Lexical([]), Vector([Ranked(1, "a", 0.3), Ranked(2, "b", 0.1)], median=0.05), 0.0)
+    assert [r.file_id for r in weak] == ["a", "b"] and weak[0].score == pytest.approx(0.15)
+    strong = blend(Lexical([Ranked(1, "a", 3.0)]), Vector([], median=0.0), 1.0)
+    assert strong[0].score == 1.0
+
+
+def test_words_are_plain_case_and_accent_folded() -> None:
     assert words("os.path.JOIN(Straße) /dev/urandom naïve_x") == [
         "os",
         "path",
@@ -54,7 +62,7 @@ def test_words_are_plain_and_case_folded() -> None:
         "strasse",
         "dev",
         "urandom",
-        "naïve_x",
+        "naive_x",
     ]
 
 

@@ -20,25 +20,32 @@ depends_on = None
 
 # Postgres: the chunk's words and its length in word occurrences (BM25's document length),
 # both generated from ``text`` so every writer (stages, reembed, benches) keeps them. Words
-# are plain: runs of word characters, lowercased, no stemming or stopwords (the default
-# parser keeps ``os.path.join`` or a URL as one token, so "join" would not find it). A GIN
-# index on (owner, tsv) needs btree_gin (trusted since Postgres 13) so the owner scopes the
-# index scan itself.
-_PG_WORDS = "to_tsvector('simple'::regconfig, regexp_replace(text, '\\W+', ' ', 'g'))"
+# are plain: runs of word characters, lowercased and accent-folded (unaccent, as SQLite's
+# remove_diacritics), no stemming or stopwords (the default parser keeps ``os.path.join``
+# or a URL as one token, so "join" would not find it). ``file_chunk_words`` is the one
+# definition, for chunks and queries alike. A GIN index on (owner, tsv) needs btree_gin
+# (trusted since Postgres 13) so the owner scopes the index scan itself.
 _PG_UP = [
     "CREATE EXTENSION IF NOT EXISTS btree_gin",
+    "CREATE EXTENSION IF NOT EXISTS unaccent",
+    # unaccent() is STABLE (it reads a dictionary); named explicitly it never changes.
+    """CREATE FUNCTION file_chunk_words(text) RETURNS tsvector
+       LANGUAGE sql IMMUTABLE PARALLEL SAFE
+       AS $$ SELECT to_tsvector('simple'::regconfig, {schema}.unaccent(
+                '{schema}.unaccent'::regdictionary, regexp_replace($1, '\\W+', ' ', 'g'))) $$""",
     """CREATE FUNCTION file_chunk_terms(tsvector) RETURNS integer
        LANGUAGE sql IMMUTABLE PARALLEL SAFE
        AS $$ SELECT coalesce(sum(coalesce(array_length(positions, 1), 1)), 0)::integer FROM unnest($1) $$""",
-    f"""ALTER TABLE file_chunks
-       ADD COLUMN tsv tsvector GENERATED ALWAYS AS ({_PG_WORDS}) STORED,
-       ADD COLUMN terms integer GENERATED ALWAYS AS (file_chunk_terms({_PG_WORDS})) STORED""",
+    """ALTER TABLE file_chunks
+       ADD COLUMN tsv tsvector GENERATED ALWAYS AS (file_chunk_words(text)) STORED,
+       ADD COLUMN terms integer GENERATED ALWAYS AS (file_chunk_terms(file_chunk_words(text))) STORED""",
     "CREATE INDEX ix_file_chunks_owner_tsv ON file_chunks USING gin (owner, tsv)",
 ]
 _PG_DOWN = [
     "DROP INDEX ix_file_chunks_owner_tsv",
     "ALTER TABLE file_chunks DROP COLUMN terms, DROP COLUMN tsv",
     "DROP FUNCTION file_chunk_terms(tsvector)",
+    "DROP FUNCTION file_chunk_words(text)",
 ]
 
 # SQLite: an external-content FTS5 table over a view that adds the owner as one token
@@ -87,8 +94,17 @@ def upgrade() -> None:
     with op.batch_alter_table("file_chunks") as batch:
         batch.drop_column("embedding")
         batch.drop_column("model")
-    for statement in _PG_UP if op.get_bind().dialect.name == "postgresql" else _SQLITE_UP:
-        op.execute(statement)
+    if op.get_bind().dialect.name == "postgresql":
+        for statement in _PG_UP[:2]:
+            op.execute(statement)
+        schema = op.get_bind().execute(
+            sa.text("SELECT extnamespace::regnamespace::text FROM pg_extension WHERE extname = 'unaccent'")
+        ).scalar_one()
+        for statement in _PG_UP[2:]:
+            op.execute(statement.replace("{schema}", schema))
+    else:
+        for statement in _SQLITE_UP:
+            op.execute(statement)
 
 
 def _move_vectors(vectors: sa.Table) -> None:
