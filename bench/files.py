@@ -89,7 +89,7 @@ from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
 from tasks.files.embedding import Embedder, embed_packed, load_embedder
 from tasks.files.extract import Extracted, Limits, extract
-from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, file_vectors, files
+from tasks.files.models import CHUNKING, EMBEDDING, QUEUED, READY, batches, chunks, files
 from tasks.files.storage import storage_for
 
 if TYPE_CHECKING:
@@ -391,14 +391,10 @@ class Bench:
         )
         in_batch = select(files.c.id).where(files.c.batch_id == batch_id)
         total = select(func.count()).where(chunks.c.file_id.in_(in_batch))
-        # 8 bytes a chunk id in a file's vectors row
-        vectors = select(func.coalesce(func.sum(func.length(file_vectors.c.chunk_ids)), 0)).where(
-            file_vectors.c.file_id.in_(in_batch)
-        )
         with self.platform.engine.connect() as conn:
             statuses = {str(k): int(v) for k, v in conn.execute(by_status)}
             total_chunks = conn.execute(total).scalar_one()
-            with_vectors = conn.execute(vectors).scalar_one() // 8
+            with_vectors = flow.embedded_chunks(conn, in_batch)
             batch = flow.batch_summary(conn, batch_id)
         if statuses != {READY: n}:
             raise BenchError(f"batch {batch_id}: expected {n} ready files, found {statuses}")

@@ -330,10 +330,9 @@ class Population:
 def write(target: Target, made: Sequence[MadeFile], model: str) -> None:
     """Insert one window of files, their chunks and their vectors rows (as the embed stage
     writes them: one per file), ``INSERT_BATCH`` rows per statement."""
-    import struct
-
     from sqlalchemy import insert
 
+    from tasks.files.embedding import pack_ids
     from tasks.files.models import chunks, file_vectors, files
 
     start = time.perf_counter()
@@ -353,7 +352,7 @@ def write(target: Target, made: Sequence[MadeFile], model: str) -> None:
                 "file_id": m.row["id"],
                 "owner": owner,
                 "model": model,
-                "chunk_ids": struct.pack(f"<{len(ids)}q", *ids),
+                "chunk_ids": pack_ids(ids),
                 "vectors": b"".join(m.vectors),
             }
         )

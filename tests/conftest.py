@@ -152,14 +152,11 @@ def on_sqlite(platform: Any, tmp_path: Any) -> Iterator[Any]:
     """The test platform pointed at a fresh SQLite file (same Redis), then back."""
     from config.migrations import upgrade
     from conveyor.db.engine import make_engine, sqlite_url
+    from tests.helpers import bound_to
 
     url = sqlite_url(tmp_path)
     engine = make_engine(url)
     upgrade(engine)
     engine.dispose()
-    redis_url, database_url = platform.settings.redis_url, platform.settings.database_url
-    platform.bind(redis_url=redis_url, database_url=url)
-    try:
+    with bound_to(platform, url):
         yield platform
-    finally:
-        platform.bind(redis_url=redis_url, database_url=database_url)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import func, select
@@ -81,3 +83,32 @@ def discarded(platform: Any, job_id: str) -> list[str]:
         if f.get("job") == job_id:
             out.append(f["reason"])
     return out
+
+
+@contextlib.contextmanager
+def scratch_database(prefix: str = "conveyor_scratch") -> Iterator[str]:
+    """An empty Postgres database of its own, dropped afterwards (even with connections
+    still open); yields its URL."""
+    import psycopg
+
+    from tests.conftest import PG_BASE
+
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{PG_BASE}/{name}"
+    finally:
+        with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def bound_to(platform: Any, database_url: str) -> Iterator[Any]:
+    """The test platform on another database (same Redis), then back."""
+    redis_url, before = platform.settings.redis_url, platform.settings.database_url
+    platform.bind(redis_url=redis_url, database_url=database_url)
+    try:
+        yield platform
+    finally:
+        platform.bind(redis_url=redis_url, database_url=before)

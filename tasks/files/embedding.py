@@ -47,6 +47,7 @@ __all__ = [
     "load_embedder",
     "minilm_tokenizer",
     "pack",
+    "pack_ids",
     "unpack",
 ]
 
@@ -148,8 +149,7 @@ class HashingEmbedder:
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One unit-length (or zero) vector of length ``dim`` per text."""
-        if isinstance(texts, str):
-            raise TypeError("embed() takes a sequence of texts, not a single string")
+        texts = _texts(texts)
         return [self._embed_one(text) for text in texts]
 
     def _embed_one(self, text: str) -> list[float]:
@@ -199,13 +199,12 @@ class WordLlamaEmbedder:
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One unit-length vector (the zero vector for a text with no token) per text."""
-        if isinstance(texts, str):
-            raise TypeError("embed() takes a sequence of texts, not a single string")
+        texts = _texts(texts)
         if not texts:
             return []
         import numpy as np
 
-        vectors = np.asarray(self._load().embed(list(texts), norm=False, return_np=True), dtype=np.float64)
+        vectors = np.asarray(self._load().embed(texts, norm=False, return_np=True), dtype=np.float64)
         norms = np.linalg.norm(vectors, axis=1, keepdims=True)
         unit = np.divide(vectors, norms, out=np.zeros_like(vectors), where=norms > 0)
         return [[float(x) for x in row] for row in unit.tolist()]
@@ -265,12 +264,11 @@ class SentenceTransformerEmbedder:
 
     def embed(self, texts: Sequence[str]) -> list[list[float]]:
         """One unit-length vector of length ``dim`` per text."""
-        if isinstance(texts, str):
-            raise TypeError("embed() takes a sequence of texts, not a single string")
+        texts = _texts(texts)
         if not texts:
             return []
         vectors = self._load().encode(
-            list(texts),
+            texts,
             batch_size=self._batch_size,
             normalize_embeddings=True,
             convert_to_numpy=True,
@@ -341,6 +339,13 @@ class HttpEmbedder:
         if out:
             self.dim = len(out[0])
         return out
+
+
+def _texts(texts: Sequence[str]) -> list[str]:
+    """``texts`` as a list; a single str (a sequence of characters) is a caller's mistake."""
+    if isinstance(texts, str):
+        raise TypeError("embed() takes a sequence of texts, not a single string")
+    return list(texts)
 
 
 def _installed(module: str) -> bool:
@@ -420,6 +425,14 @@ def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     if norms == 0.0:
         return 0.0
     return math.fsum(map(operator.mul, a, b)) / norms
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Chunk ids as little-endian int64, the ``file_vectors.chunk_ids`` layout."""
+    packed = array("q", ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def pack(vector: Sequence[float]) -> bytes:

@@ -9,8 +9,6 @@ the chord does. The chord callback and the reconciler only call :func:`try_compl
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +17,7 @@ from sqlalchemy.engine import RowMapping
 
 from conveyor.db.dialect import db_now
 from tasks.files.chunking import Chunk
+from tasks.files.embedding import pack_ids
 from tasks.files.models import (
     CANCELLED,
     CHUNKING,
@@ -273,18 +272,26 @@ def write_vectors(
     ``file_vectors`` row (replacing what was there)."""
     conn.execute(delete(file_vectors).where(file_vectors.c.file_id == file_id))
     if vectors:
-        ids = array("q", [chunk_id for chunk_id, _ in vectors])
-        if sys.byteorder == "big":
-            ids.byteswap()
         conn.execute(
             insert(file_vectors).values(
                 file_id=file_id,
                 owner=owner,
                 model=model,
-                chunk_ids=ids.tobytes(),
+                chunk_ids=pack_ids([chunk_id for chunk_id, _ in vectors]),
                 vectors=b"".join(vector for _, vector in vectors),
             )
         )
+
+
+def embedded_chunks(conn: Connection, file_ids: Any) -> int:
+    """How many chunk vectors the files' ``file_vectors`` rows hold (``file_ids``: a list
+    or a subquery of file ids; 8 bytes a chunk id)."""
+    size = conn.execute(
+        select(func.coalesce(func.sum(func.length(file_vectors.c.chunk_ids)), 0)).where(
+            file_vectors.c.file_id.in_(file_ids)
+        )
+    ).scalar_one()
+    return int(size) // 8
 
 
 def batch_summary(conn: Connection, batch_id: str) -> RowMapping | None:

@@ -160,13 +160,13 @@ def lexical(conn: Connection, owner: str, query: str, *, limit: int = CANDIDATES
     """The owner's ready files by BM25 for ``query`` (any of its words), each by its best
     chunk, best first; empty when none of its words occurs in them. Only the first
     ``MAX_QUERY_WORDS`` distinct words count (a pasted page is not a query)."""
-    query = " ".join(list(dict.fromkeys(words(query)))[:MAX_QUERY_WORDS])
+    terms = list(dict.fromkeys(words(query)))[:MAX_QUERY_WORDS]
     if conn.dialect.name != "sqlite":
+        query = " ".join(terms)
         params = {"query": query, "owner": owner, "ready": READY, "limit": limit, "k1": _K1, "b": _B}
         rows = conn.execute(_PG_BM25, params).all()
         idf = {str(k): float(v) for k, v in (rows[0].idf or {}).items()} if rows else {}
         return Lexical([Ranked(int(r.id), str(r.file_id), float(r.score)) for r in rows], idf)
-    terms = sorted(set(words(query)))
     if not terms:
         return Lexical([])
     # Each word a quoted phrase, so nothing in a query is FTS5 syntax.

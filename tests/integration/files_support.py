@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 
 from conveyor.db.schema import job_events
 from pipelines.files import Upload
+from tasks.files import flow
 from tasks.files.models import batches, files
 from tests.helpers import eventually
 
@@ -109,7 +110,6 @@ MESSY: list[tuple[str, bytes, str | None]] = [
 
 def check_messy(platform: Any, owner: str, ids: dict[str, str]) -> None:
     """Each messy document ended as :data:`MESSY` says, failures on attempt 1 with a message."""
-    from sqlalchemy import func
 
     from conveyor.db.schema import dead_letters, jobs
 
@@ -146,13 +146,6 @@ def check_messy(platform: Any, owner: str, ids: dict[str, str]) -> None:
 
 
 def embedded_chunks(platform: Any, file_ids: list[str]) -> int:
-    """How many chunk vectors the files' ``file_vectors`` rows hold (8 bytes a chunk id)."""
-    from tasks.files.models import file_vectors
-
+    """How many chunk vectors the files' ``file_vectors`` rows hold."""
     with platform.engine.connect() as conn:
-        size = conn.execute(
-            select(func.coalesce(func.sum(func.length(file_vectors.c.chunk_ids)), 0)).where(
-                file_vectors.c.file_id.in_(file_ids)
-            )
-        ).scalar_one()
-    return int(size) // 8
+        return flow.embedded_chunks(conn, file_ids)

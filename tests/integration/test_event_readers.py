@@ -14,14 +14,12 @@ import os
 import random
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psycopg
 import pytest
 from alembic import command
 from sqlalchemy import (
@@ -44,6 +42,7 @@ from conveyor.db.engine import make_engine, sqlite_url
 from conveyor.db.migrate import alembic_config, upgrade
 from conveyor.db.schema import counters, job_events
 from conveyor.store import JobStore, new_event
+from tests.helpers import scratch_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -413,18 +412,12 @@ def fresh_engine(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Eng
         eng.dispose()
         return
     request.getfixturevalue("services")
-    from tests.conftest import PG_BASE
-
-    name = f"conveyor_mig_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    eng = make_engine(f"{PG_BASE}/{name}", pool_size=2)
-    try:
-        yield eng
-    finally:
-        eng.dispose()
-        with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database(f"conveyor_mig_{os.getpid()}") as url:
+        eng = make_engine(url, pool_size=2)
+        try:
+            yield eng
+        finally:
+            eng.dispose()
 
 
 def test_migration_keeps_the_old_order_and_old_cursors(fresh_engine: Engine) -> None:

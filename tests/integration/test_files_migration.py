@@ -4,13 +4,12 @@ chunks, and search works without a re-embed."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
 import pytest
 from alembic import command
 from sqlalchemy import Engine, inspect, text
@@ -21,7 +20,7 @@ from conveyor.db.migrate import alembic_config
 from pipelines.files import search
 from tasks.files.embedding import load_embedder, pack
 from tasks.files.models import file_vectors
-from tests.conftest import PG_BASE
+from tests.helpers import bound_to, scratch_database
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -29,22 +28,15 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(params=["postgres", "sqlite"])
 def old_engine(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Engine]:
     """An empty database of its own, migrated only as far as f002."""
-    if request.param == "sqlite":
-        engine = make_engine(sqlite_url(tmp_path))
-        name = None
-    else:
-        name = f"conveyor_mig_{uuid.uuid4().hex[:10]}"
-        with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
-            admin.execute(f'CREATE DATABASE "{name}"')
-        engine = make_engine(f"{PG_BASE}/{name}")
-    command.upgrade(alembic_config(engine, FAMILY_MIGRATIONS), "f002")
-    try:
+    with contextlib.ExitStack() as stack:
+        if request.param == "sqlite":
+            url = sqlite_url(tmp_path)
+        else:
+            url = stack.enter_context(scratch_database("conveyor_mig"))
+        engine = make_engine(url)
+        stack.callback(engine.dispose)
+        command.upgrade(alembic_config(engine, FAMILY_MIGRATIONS), "f002")
         yield engine
-    finally:
-        engine.dispose()
-        if name is not None:
-            with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
-                admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
 
 
 def test_f003_moves_vectors_and_indexes_old_chunks(old_engine: Engine, platform: Any) -> None:
@@ -77,12 +69,7 @@ def test_f003_moves_vectors_and_indexes_old_chunks(old_engine: Engine, platform:
     assert (row.file_id, row.owner, row.model) == ("f1", "alice", "wordllama-256")
     assert struct.unpack("<2q", row.chunk_ids) == tuple(ids) and row.vectors == b"".join(vectors)
     assert not {"embedding", "model"} & columns
-    url = str(old_engine.url.render_as_string(hide_password=False))
-    redis_url, database_url = platform.settings.redis_url, platform.settings.database_url
-    platform.bind(redis_url=redis_url, database_url=url)
-    try:
+    with bound_to(platform, old_engine.url.render_as_string(hide_password=False)):
         for ranking in ("lexical", "vector", "fused"):
             hits = search(platform, "Fresnel lens", owner="alice", ranking=ranking)  # type: ignore[arg-type]
             assert [(h.name, h.ordinal) for h in hits] == [("light.txt", 1)], ranking
-    finally:
-        platform.bind(redis_url=redis_url, database_url=database_url)

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-import psycopg
 import pytest
 from sqlalchemy import insert, text, update
 
@@ -25,7 +24,7 @@ from tasks.files.chunking import Chunk
 from tasks.files.embedding import HashingEmbedder, load_embedder, pack
 from tasks.files.errors import EmbeddingModelMismatch
 from tasks.files.models import FAILED, READY, files
-from tests.conftest import PG_BASE
+from tests.helpers import scratch_database
 from tests.integration.files_support import embedded_chunks
 
 pytestmark = pytest.mark.timeout(120)
@@ -262,14 +261,8 @@ def test_cli_search_mistakes_get_one_line_and_exit_2(platform: Any, tag: str) ->
     unknown = _cli({**env, "CONVEYOR_FILES": '{"embedder": "no-such-model"}'}, "yaml", "--user", tag)
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr, unknown.stderr[-2000:]
     assert "unknown embedder 'no-such-model'" in unknown.stderr
-    name = f"conveyor_empty_{tag}"
-    with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    try:
-        empty = _cli({**env, "CONVEYOR_DATABASE_URL": f"{PG_BASE}/{name}"}, "yaml", "--user", tag)
-    finally:
-        with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    with scratch_database("conveyor_empty") as url:
+        empty = _cli({**env, "CONVEYOR_DATABASE_URL": url}, "yaml", "--user", tag)
     assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr[-2000:]
     assert "run `conveyor db upgrade`" in empty.stderr
 
