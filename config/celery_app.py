@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 from celery import Celery
 
 from config.beat import BEAT_SCHEDULE
@@ -12,8 +15,15 @@ from conveyor.platform import Platform
 from conveyor.services import attach
 from conveyor.worker import install
 
-TASK_MODULES = ["tasks.demo", "tasks.files.stages"]
-CLI_EXTENSIONS = {"files": "tasks.files.cli:app"}
+# A family whose extra is not installed is left out, and says so (the demo still runs).
+FILES_EXTRA = ("numpy", "pypdf", "docx", "lxml", "markdown_it", "charset_normalizer", "puremagic")
+HAS_FILES = all(importlib.util.find_spec(m) is not None for m in FILES_EXTRA)
+if not HAS_FILES:
+    logging.getLogger("conveyor").warning("the files family is off: install conveyor[files] to run it")
+
+TASK_MODULES = ["tasks.demo", *(["tasks.files.stages"] if HAS_FILES else [])]
+CLI_EXTENSIONS = {"files": "tasks.files.cli:app"} if HAS_FILES else {}
+MIGRATIONS = "config.migrations:upgrade"
 
 settings = get_settings()
 _found = attach(settings)
@@ -22,6 +32,10 @@ if _found is not None:
 
 app = Celery("conveyor", include=TASK_MODULES)
 app.config_from_object(celery_config(settings, queues=QUEUES, default_queue=DEFAULT_QUEUE))
-app.conf.beat_schedule = BEAT_SCHEDULE
+app.conf.beat_schedule = {
+    name: entry
+    for name, entry in BEAT_SCHEDULE.items()
+    if HAS_FILES or not entry["task"].startswith("conveyor.files.")
+}
 platform = Platform(app, settings, queues=QUEUES, default_queue=DEFAULT_QUEUE)
 install(platform)

@@ -14,6 +14,7 @@ from conveyor.errors import (
     TransientError,
 )
 from conveyor.retry import Backoff, Schedule
+from conveyor.shared import current_platform
 
 __all__ = [
     "Backoff",
@@ -25,4 +26,5 @@ __all__ = [
     "Preempted",
     "Schedule",
     "TransientError",
+    "current_platform",
 ]

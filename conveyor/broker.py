@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import threading
 import time
@@ -13,6 +15,8 @@ from celery import Celery
 from kombu.entity import Queue
 from kombu.exceptions import ChannelError
 from redis import Redis
+
+from conveyor.fastpath import FastPath
 
 JOB_HEADER = "conveyor_job_id"
 
@@ -26,15 +30,47 @@ class Broker:
     bindings are missing, so a publisher that finds no epoch declares first.
     """
 
-    def __init__(self, app: Celery, redis: Redis, queues: Sequence[Queue], key_prefix: str) -> None:
+    def __init__(
+        self,
+        app: Celery,
+        redis: Redis,
+        queues: Sequence[Queue],
+        key_prefix: str,
+        *,
+        fast: FastPath | None = None,
+    ) -> None:
         self.app = app
         self.redis = redis
         self.queues = list(queues)
         self.epoch_key = f"{key_prefix}epoch"
         self.key_prefix = key_prefix
+        self.fast = fast
         self._epoch: str | None = None
         self._epoch_read = 0.0
         self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def submit_epoch(self, *, max_age: float = 1.0) -> str | None:
+        """The epoch a job about to be inserted is published under, asking Redis only
+        briefly (:class:`FastPath`); None if Redis does not answer: the job is inserted
+        unpublished and the relay publishes it once Redis is back."""
+        if self._epoch is not None and time.monotonic() - self._epoch_read < max_age:
+            return self._epoch
+        if self.fast is None:
+            return self.epoch(max_age=max_age)
+
+        def read(client: Redis) -> str:
+            value = client.get(self.epoch_key)
+            if value is None:
+                self.declare_all(fast=True)
+                client.set(self.epoch_key, secrets.token_hex(8), nx=True)
+                value = client.get(self.epoch_key)
+            return value.decode() if isinstance(value, bytes) else str(value)
+
+        epoch = self.fast.attempt(read)
+        if epoch is not None:
+            self._epoch, self._epoch_read = epoch, time.monotonic()
+        return epoch
 
     def epoch(self, *, max_age: float = 1.0) -> str:
         """The current epoch, declaring queues and creating one if Redis has none.
@@ -55,12 +91,38 @@ class Broker:
             self._epoch_read = now
             return self._epoch
 
-    def declare_all(self) -> None:
+    def declare_all(self, *, fast: bool = False) -> None:
         """Declare every queue, exchange and binding, bypassing kombu's declared-cache."""
+        if fast:
+            channel = self._fast_connection().default_channel
+            for queue in self.queues:
+                queue.bind(channel).declare()  # type: ignore[no-untyped-call]
+            return
         with self.app.connection_for_write() as conn:
             channel = conn.default_channel
             for queue in self.queues:
                 queue.bind(channel).declare()  # type: ignore[no-untyped-call]
+
+    def _fast_connection(self) -> Any:
+        """This thread's broker connection for submits: short socket timeouts, no retry."""
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid() or getattr(local, "conn", None) is None:
+            timeout = self.fast.timeout if self.fast is not None else None
+            options = {
+                "socket_timeout": timeout,
+                "socket_connect_timeout": timeout,
+                "retry_on_timeout": False,
+            }
+            local.conn, local.pid = self.app.connection_for_write(transport_options=options), os.getpid()
+        return local.conn
+
+    def drop_fast_connection(self) -> None:
+        """Close this thread's submit connection (after it failed: the next one reconnects)."""
+        conn = getattr(self._local, "conn", None)
+        self._local.conn = None
+        if conn is not None:
+            with contextlib.suppress(Exception):  # a dead connection may fail to close
+                conn.release()
 
     def message_counts(self, queues: Sequence[str]) -> dict[str, int]:
         """Messages waiting in each queue (not counting ones delivered and unacked)."""
@@ -83,8 +145,12 @@ class Broker:
         payload: Mapping[str, Any],
         options: Mapping[str, Any],
         task_id: str | None = None,
+        fast: bool = False,
     ) -> str:
         """Send one job message; returns the Celery task id used (fresh unless given).
+
+        With ``fast`` (submits), over this thread's short-timeout connection, without
+        kombu's publish retries: a submit never waits on Redis; the relay publishes later.
 
         The same message ``send_task`` builds, without its result-backend subscription:
         job outcomes are awaited through :meth:`JobHandle.wait`, and ``AsyncResult.get()``
@@ -122,6 +188,14 @@ class Broker:
         )
         if options.get("priority") is not None:
             routed["priority"] = options["priority"]
+        if fast:
+            try:
+                producer = self._fast_connection().Producer()
+                amqp.send_task_message(producer, stage, message, retry=False, **routed)
+            except Exception:
+                self.drop_fast_connection()
+                raise
+            return task_id
         with app.producer_or_acquire(None) as producer:
             amqp.send_task_message(producer, stage, message, **routed)
         return task_id

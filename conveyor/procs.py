@@ -21,6 +21,11 @@ def service_env(settings: ConveyorSettings, extra: Mapping[str, str] | None = No
     env["CONVEYOR_DATABASE_URL"] = settings.database_url
     env["CONVEYOR_HOME"] = str(settings.resolved_home())
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they happen (kills lose nothing)
+    # The deployment is imported from its directory, whatever the child's working directory
+    # (Flower runs in the home): it is not installed.
+    root = str(settings.resolved_root())
+    env["CONVEYOR_ROOT"] = root
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(extra or {})
     return env
 

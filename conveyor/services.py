@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from conveyor.db.engine import sqlite_url
-from conveyor.embedded import EmbeddedRedis, start_redis
-from conveyor.errors import NotRunning
+from conveyor.embedded import EmbeddedRedis, redis_binary, start_redis
+from conveyor.errors import ConfigurationError, NotRunning
 from conveyor.runfile import read_run_info
 from conveyor.settings import ConveyorSettings
 
@@ -53,6 +53,10 @@ def start_embedded(settings: ConveyorSettings) -> Services:
     redis = None
     redis_url = settings.redis_url
     if not redis_url:
-        redis = start_redis(home)
+        try:
+            binary = redis_binary()
+        except RuntimeError as exc:
+            raise ConfigurationError(str(exc)) from None
+        redis = start_redis(home, binary=binary)
         redis_url = redis.url
     return Services(redis_url, settings.database_url or sqlite_url(home), redis)

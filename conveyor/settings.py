@@ -43,6 +43,9 @@ class ConveyorSettings(BaseSettings):
     database_url: str | None = None
     key_prefix: str = Field("conveyor:", description="prefix of Conveyor's own Redis keys")
     app: str = Field("config.celery_app", description="module holding the Celery app and platform")
+    root: Path | None = Field(
+        None, description="the deployment's directory, where `app` is imported from (default: cwd)"
+    )
     demo: str = Field("pipelines.demo:self_check", description="the deployment's self-check")
 
     visibility_timeout: float = 3600.0
@@ -58,6 +61,12 @@ class ConveyorSettings(BaseSettings):
     )
     max_requeues: int = Field(
         20, ge=0, description="uncounted requeues (outages, shutdowns) before a job is dead-lettered"
+    )
+    submit_redis_timeout: float = Field(
+        0.1, gt=0, description="a submit waits this long for Redis, then leaves the job to the relay"
+    )
+    submit_redis_cooldown: float = Field(
+        2.0, ge=0, description="after Redis failed a submit, later submits skip it this long"
     )
     republish_after: float = Field(300.0, description="republish a job queued but unclaimed this long")
     backoff_base: float = 1.0
@@ -123,6 +132,10 @@ class ConveyorSettings(BaseSettings):
         home = self.home.expanduser().resolve()
         home.mkdir(parents=True, exist_ok=True)
         return home
+
+    def resolved_root(self) -> Path:
+        """Absolute path of the deployment's directory."""
+        return (self.root or Path.cwd()).expanduser().resolve()
 
     def with_urls(self, redis_url: str, database_url: str) -> ConveyorSettings:
         """A copy of these settings pointing at concrete services."""

@@ -20,7 +20,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, DateTime, Dialect, Engine, Float, Table, bindparam, event, text
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Dialect,
+    Engine,
+    Float,
+    Table,
+    bindparam,
+    event,
+    select,
+    text,
+)
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
@@ -116,6 +128,12 @@ def _now_plus_pg(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
 @compiles(db_now_plus, "sqlite")
 def _now_plus_sqlite(element: db_now_plus, compiler: SQLCompiler, **kw: Any) -> str:
     return f"({_SQLITE_NOW_MS} + CAST(({compiler.process(element.clauses, **kw)}) * 1000 AS INTEGER))"
+
+
+def database_clock(engine: Engine) -> float:
+    """The database's clock, now, in seconds since the epoch (one round trip)."""
+    with engine.connect() as conn:
+        return int(conn.execute(select(db_now_ms())).scalar_one()) / 1000
 
 
 def is_sqlite(bind: Engine | Connection) -> bool:

@@ -11,11 +11,11 @@ from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_success
 from pydantic import BaseModel, ConfigDict
 
-from config.celery_app import platform
 from conveyor.context import JobContext
 from conveyor.dedup import Dedup
 from conveyor.errors import PermanentError, TransientError
 from conveyor.retry import Schedule
+from conveyor.shared import current_platform, stage
 from tasks.demo.logic import mark, record_effect, square
 
 FAST_RETRY = Schedule((0.2, 0.5, 1.0))
@@ -63,25 +63,25 @@ class Pad(BaseModel):
     pad: str = ""
 
 
-@platform.stage("conveyor.demo.pad", payload=Pad, queue="demo")
+@stage("conveyor.demo.pad", payload=Pad, queue="demo")
 def pad(ctx: JobContext, p: Pad) -> dict[str, Any]:
     """Return ``n`` bytes of padding (which the next link of a chain receives)."""
     return {"pad": "x" * p.n, "n": 0}
 
 
-@platform.stage("conveyor.demo.noop", payload=Number, queue="demo")
+@stage("conveyor.demo.noop", payload=Number, queue="demo")
 def noop(ctx: JobContext, p: Number) -> dict[str, int]:
     """Do nothing but succeed (the benchmark's stage)."""
     return {"n": p.n}
 
 
-@platform.stage("conveyor.demo.square", payload=Number, queue="demo", label=lambda p: f"square {p.n}")
+@stage("conveyor.demo.square", payload=Number, queue="demo", label=lambda p: f"square {p.n}")
 def square_stage(ctx: JobContext, p: Number) -> dict[str, int]:
     """Square ``n`` (chains pass the result on as ``n``)."""
     return {"n": square(p.n)}
 
 
-@platform.stage("conveyor.demo.flaky", payload=Flaky, queue="demo", retry=FAST_RETRY, max_attempts=4)
+@stage("conveyor.demo.flaky", payload=Flaky, queue="demo", retry=FAST_RETRY, max_attempts=4)
 def flaky(ctx: JobContext, p: Flaky) -> dict[str, int]:
     """Raise a transient error until the attempt number passes ``fail_times``."""
     if ctx.attempt <= p.fail_times:
@@ -89,13 +89,13 @@ def flaky(ctx: JobContext, p: Flaky) -> dict[str, int]:
     return {"n": p.n, "attempts": ctx.attempt}
 
 
-@platform.stage("conveyor.demo.broken", payload=Number, queue="demo", label=lambda p: f"broken {p.n}")
+@stage("conveyor.demo.broken", payload=Number, queue="demo", label=lambda p: f"broken {p.n}")
 def broken(ctx: JobContext, p: Number) -> None:
     """Always fail permanently, with a message a person can act on."""
     raise PermanentError(f"record {p.n} cannot be processed: the input is known bad (self-check)")
 
 
-@platform.stage("conveyor.demo.effect", payload=Effect, queue="demo", retry=FAST_RETRY, max_attempts=4)
+@stage("conveyor.demo.effect", payload=Effect, queue="demo", retry=FAST_RETRY, max_attempts=4)
 def effect(ctx: JobContext, p: Effect) -> dict[str, Any]:
     """Write an effect row through the job's transaction (exactly-once with completion).
 
@@ -103,7 +103,7 @@ def effect(ctx: JobContext, p: Effect) -> dict[str, Any]:
     blocks until something is pushed to ``<barrier>:go``: tests kill processes there.
     """
     if p.barrier:
-        r = platform.redis
+        r = current_platform().redis
         r.rpush(f"{p.barrier}:started", f"{ctx.job_id}:{ctx.attempt}:{os.getpid()}")
         r.blpop([f"{p.barrier}:go"], timeout=p.barrier_timeout)
     if ctx.attempt <= p.crash_until_attempt:
@@ -133,7 +133,7 @@ def _kill_after_commit(sender: Any = None, result: Any = None, **_: Any) -> None
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
-@platform.stage(
+@stage(
     "conveyor.demo.keyed",
     payload=Keyed,
     queue="demo",
@@ -163,7 +163,7 @@ class Write(BaseModel):
     note: str
 
 
-@platform.stage(
+@stage(
     "conveyor.demo.sync",
     payload=Sync,
     queue="demo",
@@ -181,7 +181,7 @@ def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
         # Inside the try: an interrupt landing just after the start marker commits (while
         # its connection is returned) must still write the cleanup marker.
         mark(
-            platform.engine,
+            current_platform().engine,
             job_id=ctx.job_id,
             stage=ctx.stage,
             attempt=ctx.attempt,
@@ -196,7 +196,7 @@ def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
     finally:
         if not finished:
             mark(
-                platform.engine,
+                current_platform().engine,
                 job_id=ctx.job_id,
                 stage=ctx.stage,
                 attempt=ctx.attempt,
@@ -208,7 +208,7 @@ def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
     return {"records": p.records}
 
 
-@platform.stage(
+@stage(
     "conveyor.demo.write",
     payload=Write,
     queue="priority",
@@ -218,7 +218,13 @@ def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
 )
 def write(ctx: JobContext, p: Write) -> dict[str, str]:
     """Marks ``<note>:start`` as soon as it holds the user's lease."""
-    mark(platform.engine, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=f"{p.note}:start")
+    mark(
+        current_platform().engine,
+        job_id=ctx.job_id,
+        stage=ctx.stage,
+        attempt=ctx.attempt,
+        note=f"{p.note}:start",
+    )
     return {"user": p.user}
 
 
@@ -237,7 +243,7 @@ QUERIES = {
 }
 
 
-@platform.stage("conveyor.demo.query", payload=Query, queue="demo", retry=FAST_RETRY, max_attempts=2)
+@stage("conveyor.demo.query", payload=Query, queue="demo", retry=FAST_RETRY, max_attempts=2)
 def query(ctx: JobContext, p: Query) -> dict[str, Any]:
     """Run a query that fails the way ``kind`` says until ``fail_until_attempt``."""
     counted = ctx.attempt

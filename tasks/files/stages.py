@@ -19,7 +19,6 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Connection, delete, select
 
-from config.celery_app import platform
 from config.settings import Settings, get_settings
 from conveyor.context import JobContext
 from conveyor.db.dialect import db_now_plus, relax_commit
@@ -28,6 +27,7 @@ from conveyor.errors import OutOfBounds, SkipJob, describe
 from conveyor.isolate import run_bounded
 from conveyor.logs import redact_text
 from conveyor.retry import Backoff
+from conveyor.shared import current_platform, stage
 from conveyor.store import new_event
 from tasks.files import flow
 from tasks.files.chunking import chunk_text, fit_chunks
@@ -77,7 +77,7 @@ class BatchRef(BaseModel):
 
 
 def _settings() -> Settings:
-    settings = platform.settings
+    settings = current_platform().settings
     return settings if isinstance(settings, Settings) else get_settings()
 
 
@@ -151,7 +151,7 @@ def _on_stalled(stage: str) -> Any:
 
 
 def _found(file_id: str) -> str:
-    with reading(platform.engine) as conn:
+    with reading(current_platform().engine) as conn:
         row = flow.get_file(conn, file_id)
     return str(row["status"]) if row is not None else "missing"
 
@@ -177,7 +177,7 @@ def _begin(ctx: JobContext, p: FileRef, accept_from: tuple[str, ...], working: s
         raise SkipJob("file already failed", p.model_dump())
     if accept_from:
         # Its own brief transaction, before the job's: the state shows while the stage runs.
-        with platform.engine.begin() as conn:
+        with current_platform().engine.begin() as conn:
             relax_commit(conn)  # a progress state: a retry from ``queued`` sets it again
             row = flow.get_file(conn, p.file_id)
             found = str(row["status"]) if row is not None else "missing"
@@ -187,7 +187,7 @@ def _begin(ctx: JobContext, p: FileRef, accept_from: tuple[str, ...], working: s
         if moved is not None:
             return {**moved, "status": working}
     else:
-        with reading(platform.engine) as conn:
+        with reading(current_platform().engine) as conn:
             row = flow.get_file(conn, p.file_id)
         found = str(row["status"]) if row is not None else "missing"
     if found == working and row is not None:
@@ -203,12 +203,12 @@ def _advance(ctx: JobContext, p: FileRef, from_state: str, to: str, **values: An
 
 
 def _db_emit(conn: Connection) -> flow.Emit:
-    return lambda topic, body: platform.store.emit(conn, [new_event(None, topic, dict(body))])
+    return lambda topic, body: current_platform().store.emit(conn, [new_event(None, topic, dict(body))])
 
 
 def _file_stage(verb: str, **policy: Any) -> Any:
     """The policy every per-file stage shares; ``policy`` adds to it."""
-    return platform.stage(
+    return stage(
         f"conveyor.files.{verb}",
         payload=FileRef,
         queue=QUEUES[verb],
@@ -316,7 +316,7 @@ def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     """
     row = _begin(ctx, p, (), EMBEDDING)
     embedder = _embedder(_settings().files.embedder)
-    with reading(platform.engine) as conn:
+    with reading(current_platform().engine) as conn:
         texts = flow.chunk_texts(conn, p.file_id)
     vectors = embed_packed(embedder, texts, batch=EMBED_BATCH, between=lambda: ctx.checkpoint(fresh=False))
     del texts
@@ -325,9 +325,7 @@ def embed_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     return {"file_id": p.file_id, "name": p.name}
 
 
-@platform.stage(
-    "conveyor.files.complete_batch", payload=BatchRef, queue=BATCH_QUEUE, label=lambda p: p.batch_id
-)
+@stage("conveyor.files.complete_batch", payload=BatchRef, queue=BATCH_QUEUE, label=lambda p: p.batch_id)
 def complete_batch(ctx: JobContext, p: BatchRef) -> dict[str, Any]:
     """The chord body: only asks the database whether the batch is complete (idempotent)."""
     flow.try_complete(ctx.connection, p.batch_id, _emitter(ctx))
@@ -339,11 +337,11 @@ class NoArgs(BaseModel):
     """No payload."""
 
 
-@platform.stage("conveyor.files.reconcile", payload=NoArgs, queue=BATCH_QUEUE)
+@stage("conveyor.files.reconcile", payload=NoArgs, queue=BATCH_QUEUE)
 def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
     """Periodic: complete any sealed batch whose files are all terminal (lost chord counter),
     and sweep uploads whose process died half way (their object, then their row)."""
-    with reading(platform.engine) as conn:
+    with reading(current_platform().engine) as conn:
         open_ids = (
             conn.execute(
                 select(batches.c.id).where(
@@ -367,7 +365,7 @@ def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
 def cancel_unconfirmed(*, older_than: float) -> int:
     """Cancel files of sealed batches uploaded but never confirmed (the request that should
     have confirmed them died), so that their batches complete; returns how many."""
-    with reading(platform.engine) as conn:
+    with reading(current_platform().engine) as conn:
         stale = (
             conn.execute(
                 select(files.c.id)
@@ -383,7 +381,7 @@ def cancel_unconfirmed(*, older_than: float) -> int:
         )
     cancelled = 0
     for file_id in stale:
-        with platform.engine.begin() as conn:
+        with current_platform().engine.begin() as conn:
             error = f"never confirmed within {older_than:.0f} s of its upload"
             cancelled += (
                 flow.transition(conn, file_id, [UPLOADED], CANCELLED, _db_emit(conn), error=error) is not None
@@ -393,7 +391,7 @@ def cancel_unconfirmed(*, older_than: float) -> int:
 
 def sweep_uploads(*, older_than: float) -> int:
     """Remove uploads that never finished (their process died): object first, then row."""
-    with reading(platform.engine) as conn:
+    with reading(current_platform().engine) as conn:
         stale = conn.execute(
             select(files.c.id, files.c.content_ref).where(
                 files.c.status == UPLOADING, files.c.updated_at < db_now_plus(-older_than)
@@ -412,7 +410,7 @@ def discard_upload(file_id: str, ref: str) -> bool:
     """Remove an unfinished upload: its object first (a failure leaves the row to try
     again), then its row while still ``uploading``. True when the row went."""
     _storage(ref).delete(ref)
-    with platform.engine.begin() as conn:
+    with current_platform().engine.begin() as conn:
         return bool(
             conn.execute(delete(files).where(files.c.id == file_id, files.c.status == UPLOADING)).rowcount
         )
