@@ -12,8 +12,13 @@ import pytest
 pytestmark = [pytest.mark.timeout(400), pytest.mark.sqlite]
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 def test_demo_with_no_env_passes_twice_in_the_same_home(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    """Run as the Quickstart does, from the checkout (the deployment is not installed); only
+    the home is moved out of it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "PYTHONPATH"}
     env["CONVEYOR_HOME"] = str(tmp_path / "home")
     for run in (1, 2):
         proc = subprocess.run(
@@ -22,7 +27,7 @@ def test_demo_with_no_env_passes_twice_in_the_same_home(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=240,
-            cwd=tmp_path,
+            cwd=ROOT,
         )
         assert proc.returncode == 0, f"run {run}:\n{proc.stdout}\n{proc.stderr}"
         assert "self-check passed" in proc.stdout
