@@ -81,7 +81,10 @@ def _unportable(model: type[BaseModel], name: str) -> str | None:
         return "which a field validator or serializer rewrites"
     config = model.model_config
     transforms = ("str_strip_whitespace", "str_to_lower", "str_to_upper")
-    if any(config.get(t) for t in transforms) or not all(_harmless(m) for m in info.metadata):
+    rewriting = [t for t in transforms if config.get(t)]
+    if rewriting and _holds_text(info.annotation):
+        return f"which its model's config rewrites ({rewriting[0]})"
+    if not all(_harmless(m) for m in info.metadata):
         return "whose value its annotation may rewrite"
     if not _plain(info.annotation):
         return f"of type {_type_name(info.annotation)}, which JSON does not carry exactly"
@@ -107,6 +110,14 @@ def _plain(tp: Any) -> bool:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return issubclass(tp, (str, int))
     return tp in _SCALARS
+
+
+def _holds_text(tp: Any) -> bool:
+    """Whether ``tp`` (optional or not) may hold a string a str_* setting rewrites."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType or origin is typing.Literal:
+        return any(a is str or isinstance(a, str) or _holds_text(a) for a in typing.get_args(tp))
+    return isinstance(tp, type) and issubclass(tp, str)
 
 
 def _type_name(tp: Any) -> str:
