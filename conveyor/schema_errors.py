@@ -60,7 +60,9 @@ def _explain(err: jsonschema.ValidationError) -> list[tuple[list[Any], str]]:
     if kw == "additionalProperties" and isinstance(err.instance, Mapping):
         declared = err.schema.get("properties", {}) if isinstance(err.schema, Mapping) else {}
         patterns = err.schema.get("patternProperties", {}) if isinstance(err.schema, Mapping) else {}
-        extra = [k for k in err.instance if k not in declared and not any(re.search(p, k) for p in patterns)]
+        extra = [
+            k for k in err.instance if k not in declared and not any(re.search(p, str(k)) for p in patterns)
+        ]
         return [([*path, k], "Extra inputs are not permitted") for k in extra]
     if kw in ("anyOf", "oneOf"):
         return _alternatives(err, path)
@@ -115,6 +117,8 @@ def _kinds(value: Any) -> str:
 
 def or_list(items: list[str]) -> str:
     """``a, b or c`` (the first eight and a count of the rest)."""
+    if not items:
+        return "another value"
     if len(items) > 8:
         items = [*items[:8], f"{len(items) - 8} more"]
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
