@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel
+from pydantic_core import to_jsonable_python
 from redis import Redis
 from sqlalchemy import Connection, and_, exists, literal_column, or_, select, update
 
@@ -80,14 +81,37 @@ class Dedup:
         """(scope, key) for ``payload``."""
         scope = self.scope or stage
         if self.fields:
-            data = payload.model_dump(mode="python")
-            picked = {f: data.get(f) for f in self.fields}
-            digest = hashlib.sha256(f"{stage}\n{canonical_json(picked)}".encode()).hexdigest()
-            return scope, digest
+            return scope, self._digest(stage, payload.model_dump(mode="python"))
         if callable(self.key):
             return scope, str(self.key(payload))[:200]
         assert self.key is not None
         return scope, self.key.format(**payload.model_dump(mode="json"))[:200]
+
+    def resolve_data(self, stage: str, data: Mapping[str, Any]) -> tuple[str, str]:
+        """(scope, key) for a payload given as a mapping, without its model (a client).
+
+        Agrees with :meth:`resolve` for a model ``m`` when ``data`` holds m's field values
+        as ``m.model_dump(mode="python")`` has them, or their JSON form where that is the
+        same text (str, int, float, bool, None, UUID, date, UTC datetimes): ``fields``
+        are hashed as canonical JSON, a key template is filled from the values' JSON form.
+        Turning a client's JSON into those values (defaults, ``5`` for a float field, a
+        datetime string) is the caller's part (see :mod:`conveyor.registry`). A callable
+        key needs the model: :class:`ConfigurationError`.
+        """
+        scope = self.scope or stage
+        if self.fields:
+            return scope, self._digest(stage, data)
+        if callable(self.key):
+            raise ConfigurationError(
+                f"the dedup key of {stage} is computed by a function: it needs the stage's payload model"
+            )
+        assert self.key is not None
+        return scope, self.key.format(**to_jsonable_python(dict(data)))[:200]
+
+    def _digest(self, stage: str, data: Mapping[str, Any]) -> str:
+        assert self.fields
+        picked = {f: data.get(f) for f in self.fields}
+        return hashlib.sha256(f"{stage}\n{canonical_json(picked)}".encode()).hexdigest()
 
 
 def canonical_json(value: Any) -> str:

@@ -18,7 +18,9 @@
      ├── SkipJob                   the body found nothing to do (e.g. its record moved on): the
      │                             job ends ``skipped`` with a result, and the flow continues
      ├── ConfigurationError        a stage or setting that cannot work (e.g. hard time limit
-     │                             not below the visibility timeout); raised at start-up
+     │    │                        not below the visibility timeout); raised at start-up
+     │    └── UnknownStage         a client named a stage the stage registry does not hold;
+     │                             the message lists close names
      ├── NotRunning                a command needs ``conveyor up`` (or URLs) and found neither
      └── SubmitFailed              submit could not record the job: its database failed (an
                                    outage, a timeout). Redis never fails a submit
@@ -100,6 +102,16 @@ class SkipJob(ConveyorError):
 
 class ConfigurationError(ConveyorError):
     """A stage declaration or setting that cannot work."""
+
+
+class UnknownStage(ConfigurationError):
+    """A stage name the stage registry (the ``stages`` table) does not hold. ``name`` is
+    the name asked for, ``suggestions`` the registered names close to it (maybe none)."""
+
+    def __init__(self, message: str, *, name: str, suggestions: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.name = name
+        self.suggestions = suggestions
 
 
 class NotRunning(ConveyorError):

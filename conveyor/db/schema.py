@@ -209,6 +209,27 @@ leases = Table(
 )
 
 
+# The stage registry: what a client without the stage code needs to submit by name (see
+# conveyor.registry). Written by ``conveyor db upgrade`` and by workers at start.
+stages = Table(
+    "stages",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("queue", String(100), nullable=False),
+    Column("priority", Integer, nullable=False),
+    Column("max_attempts", Integer, nullable=False),
+    # The dedup policy as data (mode, key template, fields, ttl, window, max_wait, scope);
+    # NULL without a policy, or when only the deployment's code can compute the key, then
+    # ``dedup_by_code`` says why.
+    Column("dedup", JSON(none_as_null=True), nullable=True),
+    Column("dedup_by_code", Text, nullable=True),
+    Column("lease_key", String(200), nullable=True),  # a format template over the payload
+    Column("preemptable", Boolean, nullable=False, default=False),
+    Column("payload_schema", JSON, nullable=False),  # the payload model's JSON Schema
+    Column("updated_at", Timestamp(), nullable=False),  # when the row last changed
+)
+
+
 Row = Mapping[Any, Any]
 
 
