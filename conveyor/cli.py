@@ -248,7 +248,7 @@ def worker(
             serve(metrics_port, str(platform.metrics.enable()))
         from conveyor.shutdown import BoundedShutdown
 
-        BoundedShutdown(platform).install()
+        BoundedShutdown(platform.connections, flow=platform.flow).install()
         # The bound replaces Celery's soft phase of a cold shutdown (SIGQUIT stays immediate).
         platform.app.conf.worker_soft_shutdown_timeout = 0
         argv = ["worker", "-l", "INFO", *ctx.args]

@@ -1,0 +1,70 @@
+"""The Celery task class of every stage: the claim/complete lifecycle wraps the body."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from celery import Task
+
+from conveyor.completion import Completion
+from conveyor.runner import Runner
+from conveyor.stage import StageSpec
+from conveyor.submit import Submitter
+
+
+class StageTask(Task):  # type: ignore[misc]
+    """Base class of every stage: the claim/complete lifecycle wraps the body.
+
+    ``apply_async`` records the job in the database before anything is published, so
+    ``delay()``, canvases and ``submit()`` all take the same path. Messages that still
+    arrive without a job row (``send_task`` from an app that never imported the stage)
+    are adopted at claim time.
+    """
+
+    spec: ClassVar[StageSpec]
+    runner: ClassVar[Runner]
+    submitter: ClassVar[Submitter]
+    completion: ClassVar[Completion]
+    typing = False
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.called_directly:
+            return self.runner.run_inline(self.spec, args, kwargs)
+        return self.runner.execute(self, args, kwargs)
+
+    def apply_async(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Submit through the platform; countdown/eta become ``run_at`` in the database."""
+        handle = self.submitter.submit_call(
+            self.spec,
+            tuple(args or ()),
+            dict(kwargs or {}),
+            task_id=task_id,
+            link=link,
+            link_error=link_error,
+            options=options,
+        )
+        result = self.AsyncResult(handle.task_id or handle.id)
+        result.job = handle
+        return result
+
+    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        """Observe failures; a hard time limit is recorded here, in the worker's main process."""
+        from billiard.exceptions import TimeLimitExceeded
+
+        if isinstance(exc, TimeLimitExceeded):
+            self.completion.record_hard_timeout(self.spec, task_id, exc)
+
+
+__all__ = ["StageTask"]
