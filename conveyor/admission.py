@@ -13,9 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, Field
 from redis import Redis
 from redis.commands.core import Script
+
+from conveyor.settings import RateLimit
 
 # A token bucket per queue. Returns the seconds to wait for a token (0: one was taken).
 _TAKE_TOKEN = """
@@ -45,13 +46,6 @@ if redis.call('ZSCORE', KEYS[1], ARGV[2]) or redis.call('ZCARD', KEYS[1]) < tonu
 end
 return 0
 """
-
-
-class RateLimit(BaseModel):
-    """At most ``rate`` jobs per second started from a queue, across all workers."""
-
-    rate: float = Field(gt=0)
-    burst: float | None = Field(None, ge=1, description="bucket size; default: one second's worth")
 
 
 @dataclass(frozen=True)
@@ -122,3 +116,6 @@ class Admission:
 def _redis_ms(r: Redis) -> int:
     seconds, micros = r.time()
     return int(seconds) * 1000 + int(micros) // 1000
+
+
+__all__ = ["Admission", "RateLimit", "Slot", "Verdict"]

@@ -5,26 +5,35 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 
 from conveyor.admission import Slot
+from conveyor.connections import Connections
 from conveyor.db.schema import RUNNING, jobs, leases
 from conveyor.errors import Cancelled, LeaseLost, Preempted
-from conveyor.leases import CANCEL, PREEMPT, Held
+from conveyor.leases import Held
 from conveyor.logs import JobTokens, bind_job, job_logger, unbind_job
-from conveyor.store import new_event
+from conveyor.stops import CANCEL, PREEMPT, Stops
+from conveyor.store import JobStore, new_event
 
-if TYPE_CHECKING:
-    from conveyor.platform import Platform
+
+@dataclass(frozen=True)
+class ContextServices:
+    """What a job context works through: the connections, the store and the stop flags."""
+
+    connections: Connections
+    store: JobStore
+    stops: Stops
 
 
 class JobContext:
     """Per-attempt context handed to a stage body.
 
-    ``session``/``connection`` open one transaction lazily; the platform commits it together
+    ``session``/``connection`` open one transaction lazily; the runner commits it together
     with the job's completion compare-and-set and the events from :meth:`emit`, so a
     stage's effect and its ``succeeded`` status commit or roll back as one.
 
@@ -35,7 +44,7 @@ class JobContext:
 
     def __init__(
         self,
-        platform: Platform,
+        services: ContextServices,
         *,
         job_id: str,
         attempt: int,
@@ -43,7 +52,7 @@ class JobContext:
         flow_id: str | None,
         queue: str | None = None,
     ) -> None:
-        self.platform = platform
+        self.services = services
         self.job_id = job_id
         self.attempt = attempt
         self.stage = stage
@@ -64,7 +73,7 @@ class JobContext:
     def connection(self) -> Connection:
         """The attempt's connection, in a transaction committed with the completion."""
         if self._conn is None:
-            self._conn = self.platform.engine.connect()
+            self._conn = self.services.connections.engine.connect()
             self._conn.begin()
         return self._conn
 
@@ -82,8 +91,8 @@ class JobContext:
     def progress(self, value: float | None = None, **data: Any) -> None:
         """Record progress now (its own small transaction), visible while the job runs."""
         info = {**data, **({"value": value} if value is not None else {})}
-        store = self.platform.store
-        with self.platform.engine.begin() as conn:
+        store = self.services.store
+        with self.services.connections.engine.begin() as conn:
             conn.execute(update(jobs).where(jobs.c.id == self.job_id).values(progress=info))
             store.emit(conn, [new_event(self.job_id, "job.progress", info)])
 
@@ -101,7 +110,7 @@ class JobContext:
         now = time.monotonic()
         if fresh and kind is None and now - self._last_check >= 0.02:
             self._last_check = now
-            kind = self.stop_requested = self.platform.leases.stop_requested(self.job_id, self.attempt)
+            kind = self.stop_requested = self.services.stops.stop_requested(self.job_id, self.attempt)
         if kind == PREEMPT:
             raise Preempted(f"job {self.job_id} yields its lease to a higher-priority job")
         if kind == CANCEL:
@@ -114,7 +123,7 @@ class JobContext:
         The job row (and the lease row) are locked for the transaction, so a takeover
         cannot slip in between the check and the commit; it fails closed.
         """
-        with self.platform.engine.begin() as conn:
+        with self.services.connections.engine.begin() as conn:
             owned = conn.execute(
                 select(jobs.c.id)
                 .where(jobs.c.id == self.job_id, jobs.c.status == RUNNING, jobs.c.attempts == self.attempt)
@@ -160,3 +169,6 @@ class JobContext:
             finally:
                 self._conn.close()
                 self._conn = None
+
+
+__all__ = ["ContextServices", "JobContext"]

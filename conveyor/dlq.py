@@ -6,21 +6,22 @@ import builtins
 import contextlib
 import datetime as dt
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.engine import RowMapping
 
+from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.engine import reading
 from conveyor.db.schema import dead_letters, jobs
+from conveyor.dedup import Deduplicator
 from conveyor.errors import ConfigurationError, RetryRefused
+from conveyor.recorder import Recorder
 from conveyor.stage import StageSpec
-from conveyor.store import new_event
-
-if TYPE_CHECKING:
-    from conveyor.platform import Platform
+from conveyor.stages import Stages
+from conveyor.store import JobStore, new_event
 
 
 @dataclass
@@ -36,8 +37,20 @@ class DeadLetterPage:
 class DeadLetterQueue:
     """Operations on ``dead_letters``; retries go back through the relay."""
 
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
+    def __init__(
+        self,
+        connections: Connections,
+        *,
+        stages: Stages,
+        store: JobStore,
+        recorder: Recorder,
+        deduper: Deduplicator,
+    ) -> None:
+        self.connections = connections
+        self.stages = stages
+        self.store = store
+        self.recorder = recorder
+        self.deduper = deduper
 
     def list(
         self,
@@ -51,7 +64,7 @@ class DeadLetterQueue:
     ) -> DeadLetterPage:
         """Open entries, newest first, filtered by stage/queue/time; each carries the job label."""
         where = _filters(stage=stage, queue=queue, since=since, include_retried=include_retried)
-        with reading(self.platform.engine) as conn:
+        with reading(self.connections.engine) as conn:
             total = conn.execute(select(func.count()).select_from(dead_letters).where(where)).scalar_one()
             items = list(
                 conn.execute(
@@ -66,7 +79,7 @@ class DeadLetterQueue:
 
     def show(self, entry_id: int) -> RowMapping | None:
         """One entry, with its traceback and headers."""
-        with reading(self.platform.engine) as conn:
+        with reading(self.connections.engine) as conn:
             return (
                 conn.execute(select(dead_letters).where(dead_letters.c.id == entry_id))
                 .mappings()
@@ -85,7 +98,7 @@ class DeadLetterQueue:
         ``counted attempts + policy``; ``attempts`` never decreases, so fencing tokens stay
         monotonic. Returns the job id, or None if nothing to retry.
         """
-        with self.platform.engine.begin() as conn:
+        with self.connections.engine.begin() as conn:
             entry = (
                 conn.execute(
                     select(dead_letters).where(
@@ -97,16 +110,15 @@ class DeadLetterQueue:
             )
             if entry is None or entry["job_id"] is None:
                 return None
-            job = self.platform.store.get(conn, entry["job_id"])
+            job = self.store.get(conn, entry["job_id"])
             if job is None or job["status"] != s.DEAD:
                 return None
             spec = self._spec(job["stage"])
-            budget = spec.max_attempts if spec else self.platform.settings.default_max_attempts
+            budget = spec.max_attempts if spec else self.connections.settings.default_max_attempts
             if job["dedup_key"]:
-                p = self.platform
                 mode = spec.dedup.mode if spec is not None and spec.dedup is not None else "simple"
-                now = p.deduper.clock()
-                holder = p.deduper.retake(conn, job["dedup_key"], str(job["id"]), now=now, mode=mode)
+                now = self.deduper.clock()
+                holder = self.deduper.retake(conn, job["dedup_key"], str(job["id"]), now=now, mode=mode)
                 if holder is not None:
                     raise RetryRefused(
                         f"not retried: job {holder} holds dedup id {job['dedup_key']!r} and has not "
@@ -135,20 +147,20 @@ class DeadLetterQueue:
                 .where(dead_letters.c.id == entry_id)
                 .values(retried_at=db_now(), retried_by=by)
             )
-            self.platform.store.emit(
+            self.store.emit(
                 conn, [new_event(job["id"], "job.dlq_retried", {"stage": job["stage"], "by": by})]
             )
         if job["dedup_key"]:
             with contextlib.suppress(Exception):  # a cached holder expires; Postgres is right
-                self.platform.deduper.forget(job["dedup_key"])
-        self.platform.republish_if_queued(job["id"])
+                self.deduper.forget(job["dedup_key"])
+        self.recorder.republish_if_queued(job["id"])
         return str(job["id"])
 
     def _spec(self, stage: str) -> StageSpec | None:
         """The stage's spec, importing the deployment's stage modules if this process (a
         CLI, a web app) has not: its ``on_retry`` hook and attempt budget apply."""
         try:
-            return self.platform.spec(stage)
+            return self.stages.spec(stage)
         except ConfigurationError:  # a stage since removed: retry it with the defaults
             return None
 
@@ -171,7 +183,7 @@ class DeadLetterQueue:
             q = select(dead_letters.c.id).where(where, dead_letters.c.job_id.is_not(None))
             if last is not None:
                 q = q.where(dead_letters.c.id < last)
-            with reading(self.platform.engine) as conn:
+            with reading(self.connections.engine) as conn:
                 page = conn.execute(q.order_by(dead_letters.c.id.desc()).limit(200)).scalars()
                 ids = [int(i) for i in page]
             if not ids:
@@ -189,8 +201,9 @@ class DeadLetterQueue:
 
     def purge(self, *, older_than_days: float | None = None) -> int:
         """Delete entries past retention (default: the DLQ retention setting)."""
-        days = self.platform.settings.dlq_retention_days if older_than_days is None else older_than_days
-        with self.platform.engine.begin() as conn:
+        settings = self.connections.settings
+        days = settings.dlq_retention_days if older_than_days is None else older_than_days
+        with self.connections.engine.begin() as conn:
             res = conn.execute(
                 delete(dead_letters).where(dead_letters.c.created_at < db_now_plus(-days * 86400))
             )
@@ -210,3 +223,6 @@ def _filters(
     if since is not None:
         cond.append(dead_letters.c.created_at >= since)
     return and_(True, *cond)
+
+
+__all__ = ["DeadLetterPage", "DeadLetterQueue"]

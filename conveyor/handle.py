@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.engine import reading
-from conveyor.store import Row
-
-if TYPE_CHECKING:
-    from conveyor.platform import Platform
+from conveyor.store import JobStore, Row
 
 
 @dataclass
@@ -27,12 +26,24 @@ class JobEvent:
 
 class JobHandle:
     """What :meth:`Platform.submit` returns. ``deduplicated`` is True when an existing job
-    (same idempotency key or canvas task id) was returned instead of a new one."""
+    (same idempotency key or canvas task id) was returned instead of a new one.
+
+    ``cancel`` is the platform's (:meth:`conveyor.stops.Stops.cancel`).
+    """
 
     def __init__(
-        self, platform: Platform, job_id: str, *, deduplicated: bool = False, task_id: str | None = None
+        self,
+        job_id: str,
+        *,
+        connections: Connections,
+        store: JobStore,
+        cancel: Callable[..., str],
+        deduplicated: bool = False,
+        task_id: str | None = None,
     ) -> None:
-        self.platform = platform
+        self.connections = connections
+        self.store = store
+        self._cancel = cancel
         self.id = job_id
         self.deduplicated = deduplicated
         self.task_id = task_id
@@ -44,8 +55,8 @@ class JobHandle:
 
     def row(self) -> Row:
         """The job's current row."""
-        with reading(self.platform.engine) as conn:
-            row = self.platform.store.get(conn, self.id)
+        with reading(self.connections.engine) as conn:
+            row = self.store.get(conn, self.id)
         if row is None:
             raise LookupError(f"job {self.id} not found")
         return row
@@ -55,8 +66,8 @@ class JobHandle:
         return str(self.row()["status"])
 
     def _status_or_none(self) -> str | None:
-        with reading(self.platform.engine) as conn:
-            row = self.platform.store.get(conn, self.id)
+        with reading(self.connections.engine) as conn:
+            row = self.store.get(conn, self.id)
         return None if row is None else str(row["status"])
 
     @property
@@ -74,9 +85,9 @@ class JobHandle:
         between the two cannot be missed; no sleep-polling.
         """
         deadline = time.monotonic() + timeout
-        pubsub = self.platform.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        pubsub = self.connections.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
         try:
-            pubsub.subscribe(self.platform.broker.wake_channel(self.id))
+            pubsub.subscribe(self.connections.broker.wake_channel(self.id))
             while True:
                 # A chain link's row appears when the link before it completes.
                 status = self._status_or_none()
@@ -92,12 +103,15 @@ class JobHandle:
 
     def cancel(self, *, by: str = "api", reason: str | None = None) -> str:
         """Cancel this job (see :meth:`Platform.cancel`); returns the resulting status."""
-        return self.platform.cancel(self.id, by=by, reason=reason)
+        return self._cancel(self.id, by=by, reason=reason)
 
     def events(self, since: str | None = None) -> tuple[list[JobEvent], str | None]:
         """This job's events after cursor ``since``, and the next cursor."""
-        with reading(self.platform.engine) as conn:
-            rows, cursor = self.platform.store.events_since(conn, since, job_id=self.id)
+        with reading(self.connections.engine) as conn:
+            rows, cursor = self.store.events_since(conn, since, job_id=self.id)
         return [
             JobEvent(r["id"], r["job_id"], r["topic"], dict(r["body"]), str(r["position"])) for r in rows
         ], cursor
+
+
+__all__ = ["JobEvent", "JobHandle"]

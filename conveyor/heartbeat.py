@@ -20,15 +20,17 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from conveyor.admission import Admission
+from conveyor.connections import Connections
+from conveyor.context import JobContext
 from conveyor.db.engine import brief_write
-from conveyor.errors import Cancelled, DatabaseBusy, Preempted
-from conveyor.leases import CANCEL, PREEMPT
-
-if TYPE_CHECKING:
-    from conveyor.context import JobContext
-    from conveyor.platform import Platform
+from conveyor.errors import Cancelled, DatabaseBusy, Preempted, is_connection_loss
+from conveyor.flow import Flow
+from conveyor.leases import Leases
+from conveyor.stops import CANCEL, PREEMPT, Stops
+from conveyor.store import JobStore
 
 log = logging.getLogger("conveyor.heartbeat")
 
@@ -41,8 +43,22 @@ BEAT_WAIT = 0.25
 class Heartbeat:
     """The per-process companion thread of the running job (see the module docs)."""
 
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
+    def __init__(
+        self,
+        connections: Connections,
+        *,
+        store: JobStore,
+        leases: Leases,
+        stops: Stops,
+        admission: Admission,
+        flow: Flow,
+    ) -> None:
+        self.connections = connections
+        self.store = store
+        self.leases = leases
+        self.stops = stops
+        self.admission = admission
+        self.flow = flow
         # One job per thread: a prefork child or solo worker runs one (in its main
         # thread), a thread pool one per pool thread.
         self._contexts: dict[int, JobContext] = {}
@@ -69,6 +85,18 @@ class Heartbeat:
             return
         self._contexts[me] = ctx
         self._ensure_thread()
+
+    def requeue_uncounted(self, job_id: str, attempt: int, owner: str, reason: str) -> str:
+        """Requeue an attempt stopped by an outage or a shutdown without counting it (see
+        :meth:`conveyor.flow.Flow.requeue_uncounted`); with the database unreachable, this
+        thread does it once the database answers again (``"deferred"``)."""
+        try:
+            return self.flow.requeue_uncounted(job_id, attempt, owner, reason)
+        except Exception as exc:
+            if not is_connection_loss(exc):
+                raise
+            self.release_later(job_id, attempt, owner)
+            return "deferred"
 
     def release_later(self, job_id: str, attempt: int, owner: str) -> None:
         """Requeue ``job_id`` without counting the attempt as soon as the database answers."""
@@ -105,7 +133,7 @@ class Heartbeat:
     # -- the thread -----------------------------------------------------------------------
 
     def _loop(self) -> None:
-        settings = self.platform.settings
+        settings = self.connections.settings
         poll = min(settings.stop_poll_interval, settings.heartbeat_interval)
         db_poll = max(poll, min(settings.heartbeat_interval, settings.preempt_grace / 2))
         next_beat = time.monotonic() + settings.heartbeat_interval
@@ -137,11 +165,11 @@ class Heartbeat:
         """Read the job's stop request: the Redis fast flag, and Postgres when due."""
         if ctx.stop_requested is not None:
             return
-        leases = self.platform.leases
+        stops = self.stops
         try:
-            ctx.stop_requested = leases.stop_requested(ctx.job_id, ctx.attempt)
+            ctx.stop_requested = stops.stop_requested(ctx.job_id, ctx.attempt)
             if ctx.stop_requested is None and read_db:
-                ctx.stop_requested = leases.stop_requested_db(ctx.job_id, ctx.attempt)
+                ctx.stop_requested = stops.stop_requested_db(ctx.job_id, ctx.attempt)
         except Exception:  # an outage; the next poll tries again
             log.debug("stop-request poll failed", exc_info=True)
 
@@ -157,17 +185,15 @@ class Heartbeat:
             log.info("ignored an interrupt for job %s attempt %s: no stop request", ctx.job_id, ctx.attempt)
 
     def _flush_releases(self) -> None:
-        runner = self.platform.runner
         for job_id, (attempt, owner) in list(self.pending_release.items()):
             try:
-                runner.requeue_uncounted(job_id, attempt, owner, "infrastructure", defer=False)
+                self.flow.requeue_uncounted(job_id, attempt, owner, "infrastructure")
             except Exception:  # still down; try again next beat
                 log.info("database still unreachable; %d release(s) pending", len(self.pending_release))
                 return
             self.pending_release.pop(job_id, None)
 
     def _beat(self, ctx: JobContext) -> None:
-        p = self.platform
         try:
             self._renew(ctx)
         except DatabaseBusy:
@@ -177,14 +203,13 @@ class Heartbeat:
             # until heartbeats had a lease timeout to resume (conveyor.liveness).
             log.debug("heartbeat of %s skipped: the SQLite writer is busy", ctx.job_id)
         if ctx.slot is not None:
-            p.admission.renew(ctx.slot)
+            self.admission.renew(ctx.slot)
 
     def _renew(self, ctx: JobContext) -> None:
-        p = self.platform
-        with brief_write(p.engine, BEAT_WAIT) as conn:
-            if not p.store.heartbeat(conn, ctx.job_id, ctx.attempt):
+        with brief_write(self.connections.engine, BEAT_WAIT) as conn:
+            if not self.store.heartbeat(conn, ctx.job_id, ctx.attempt):
                 ctx.lease_lost = True
-            if ctx.held is not None and not p.leases.renew(conn, ctx.held, ctx.job_id):
+            if ctx.held is not None and not self.leases.renew(conn, ctx.held, ctx.job_id):
                 ctx.lease_lost = True
 
 

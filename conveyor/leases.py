@@ -9,33 +9,33 @@ releases the lease and is requeued without counting an attempt. A holder that re
 checkpoint within its grace period is interrupted by a worker control command that
 signals exactly the child running that job and attempt. Only a preemptor whose request
 is in flight waits inside its slot, woken by ``BLPOP`` on the key's wake list.
+
+The requests and the stop flags themselves are :mod:`conveyor.stops` (a caller's
+``cancel()`` and a submit's preemption raise them too); this module is the holder's side.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Mapping
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from celery.exceptions import Ignore
 from sqlalchemy import Connection, and_, or_, select, update
 from sqlalchemy.engine import RowMapping
 
+from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, next_seq, upsert
-from conveyor.db.engine import reading
 from conveyor.db.schema import jobs, leases
-from conveyor.store import new_event
-
-if TYPE_CHECKING:
-    from conveyor.context import JobContext
-    from conveyor.platform import Platform
+from conveyor.recorder import Recorder
+from conveyor.runfile import lease_owner
+from conveyor.stage import StageSpec, format_key
+from conveyor.stops import PREEMPT, Stops
+from conveyor.store import JobStore, new_event
 
 log = logging.getLogger("conveyor.leases")
-
-PREEMPT = "preempt"
-CANCEL = "cancel"
 
 
 @dataclass(frozen=True)
@@ -47,18 +47,61 @@ class Held:
 
 
 class Leases:
-    """Lease table operations and the stop flags (preempt/cancel) they drive."""
+    """Lease table operations: take, renew, release, park and unpark."""
 
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
-
-    # -- keys ---------------------------------------------------------------------------
-
-    def _flag(self, job_id: str) -> str:
-        return f"{self.platform.settings.key_prefix}stop:{job_id}"
+    def __init__(
+        self, connections: Connections, *, store: JobStore, recorder: Recorder, stops: Stops
+    ) -> None:
+        self.connections = connections
+        self.store = store
+        self.recorder = recorder
+        self.stops = stops
 
     def _wake(self, key: str) -> str:
-        return f"{self.platform.settings.key_prefix}wake:{key}"
+        return f"{self.connections.settings.key_prefix}wake:{key}"
+
+    # -- taking -------------------------------------------------------------------------
+
+    def take(self, job_id: str, attempt: int, spec: StageSpec, payload: Any) -> Held:
+        """Hold the stage's lease key, preempting a lower-priority holder if allowed.
+
+        A job that cannot have the lease is parked (``waiting_lease``: no pool slot) and the
+        message is acked; only a preemptor with a request in flight waits here, woken by the
+        release, for at most the wait budget. Returns the lease held.
+        """
+        assert spec.lease_key is not None
+        key = format_key(spec.lease_key, payload.model_dump(mode="json"))
+        owner = lease_owner()
+        deadline = time.monotonic() + self.connections.settings.preempt_wait_budget
+        token = None
+        while True:
+            requested: tuple[str, int, str | None] | None = None
+            with self.connections.engine.begin() as conn:
+                token = token or self.next_token(conn)
+                lease = self.try_acquire(
+                    conn,
+                    key=key,
+                    job_id=job_id,
+                    attempt=attempt,
+                    priority=spec.priority,
+                    preemptable=spec.preemptable,
+                    token=token,
+                )
+                if lease is None:
+                    conn.execute(update(jobs).where(jobs.c.id == job_id).values(lease_key=key))
+                    return Held(key, token)
+                preempting = self.stops.request_preemption(conn, lease, by_job=job_id, priority=spec.priority)
+                if preempting and lease["holder_job"]:
+                    holder = self.store.get(conn, lease["holder_job"])
+                    if holder is not None and holder["status"] == s.RUNNING:
+                        requested = (holder["id"], int(holder["attempts"]), holder["celery_task_id"])
+            if requested is not None:
+                self.stops.flag(requested[0], requested[1], PREEMPT, requested[2])
+            left = deadline - time.monotonic()
+            if not preempting or left <= 0:
+                self.park(job_id, attempt, key, owner)
+                raise Ignore()
+            self.wait_for_release(key, min(left, 1.0))
 
     # -- acquire / renew / release ------------------------------------------------------
 
@@ -78,7 +121,7 @@ class Leases:
         The lease is free when nobody holds it or its holder stopped renewing it, and it is
         not reserved for a job of higher priority that is on its way to take it.
         """
-        timeout = self.platform.settings.lease_timeout
+        timeout = self.connections.settings.lease_timeout
         values = {
             "key": key,
             "holder_job": job_id,
@@ -132,9 +175,8 @@ class Leases:
 
     def release(self, held: Held, job_id: str) -> None:
         """Compare-and-release, wake a waiting preemptor, and unpark the best parked job."""
-        p = self.platform
         try:
-            with p.engine.begin() as conn:
+            with self.connections.engine.begin() as conn:
                 conn.execute(
                     update(leases)
                     .where(
@@ -143,7 +185,7 @@ class Leases:
                     .values(holder_job=None, holder_attempt=None, token=None, heartbeat_at=None)
                 )
                 unparked = self._unpark_best(conn, held.key)
-            pipe = p.redis.pipeline(transaction=False)
+            pipe = self.connections.redis.pipeline(transaction=False)
             pipe.rpush(self._wake(held.key), job_id)
             pipe.expire(self._wake(held.key), 60)
             pipe.execute()
@@ -151,7 +193,7 @@ class Leases:
             log.warning("could not release lease %s of %s", held.key, job_id, exc_info=True)
             return
         if unparked is not None:
-            p.republish_if_queued(unparked)
+            self.recorder.republish_if_queued(unparked)
 
     def _unpark_best(self, conn: Connection, key: str) -> str | None:
         """Move the highest-priority parked job of ``key`` back to ``queued`` (unless the
@@ -181,8 +223,7 @@ class Leases:
         )
         if res.rowcount != 1:
             return None
-        p = self.platform
-        p.store.emit(conn, [new_event(best["id"], "job.unparked", {"lease_key": key})])
+        self.store.emit(conn, [new_event(best["id"], "job.unparked", {"lease_key": key})])
         return str(best["id"])
 
     def unpark_free_keys(self, conn: Connection) -> list[str]:
@@ -196,7 +237,7 @@ class Leases:
             .all()
         )
         out: list[str] = []
-        timeout = self.platform.settings.lease_timeout
+        timeout = self.connections.settings.lease_timeout
         for key in keys:
             lease = conn.execute(select(leases).where(leases.c.key == key)).mappings().one_or_none()
             if lease is not None and lease["holder_job"] is not None:
@@ -215,17 +256,16 @@ class Leases:
 
     # -- parking & waiting ----------------------------------------------------------------
 
-    def park(self, ctx: JobContext, key: str, owner: str) -> None:
+    def park(self, job_id: str, attempt: int, key: str, owner: str) -> None:
         """``running → waiting_lease`` without counting the attempt; re-checks afterwards so
         a release that happened meanwhile cannot leave the job parked forever."""
-        p = self.platform
-        with p.engine.begin() as conn:
+        with self.connections.engine.begin() as conn:
             res = conn.execute(
                 update(jobs)
                 .where(
-                    jobs.c.id == ctx.job_id,
+                    jobs.c.id == job_id,
                     jobs.c.status == s.RUNNING,
-                    jobs.c.attempts == ctx.attempt,
+                    jobs.c.attempts == attempt,
                     jobs.c.lease_owner == owner,
                 )
                 .values(
@@ -238,100 +278,19 @@ class Leases:
                 )
             )
             if res.rowcount == 1:
-                p.store.emit(conn, [new_event(ctx.job_id, "job.parked", {"lease_key": key})])
+                self.store.emit(conn, [new_event(job_id, "job.parked", {"lease_key": key})])
             unparked = self._unpark_best(conn, key)
         if unparked is not None:
-            p.republish_if_queued(unparked)
+            self.recorder.republish_if_queued(unparked)
 
     def wait_for_release(self, key: str, timeout: float) -> None:
         """Block until the key's wake list gets an entry or ``timeout`` passes."""
         if timeout > 0:
-            self.platform.redis.blpop([self._wake(key)], timeout=max(0.01, timeout))
-
-    # -- stop requests --------------------------------------------------------------------
-
-    def request_preemption(
-        self, conn: Connection, lease: Mapping[Any, Any], *, by_job: str, priority: int
-    ) -> bool:
-        """Reserve ``lease`` for ``by_job`` and ask its holder to stop (Postgres flag)."""
-        holder = lease["holder_job"]
-        if holder is None or not lease["preemptable"] or (lease["priority"] or 0) >= priority:
-            return False
-        budget = self.platform.settings.preempt_wait_budget
-        conn.execute(
-            update(leases)
-            .where(
-                leases.c.key == lease["key"],
-                or_(
-                    leases.c.reserved_job.is_(None),
-                    leases.c.reserved_priority < priority,
-                    leases.c.reserved_until < db_now(),
-                    leases.c.reserved_job == by_job,
-                ),
-            )
-            .values(reserved_job=by_job, reserved_priority=priority, reserved_until=db_now_plus(budget))
-        )
-        res = conn.execute(
-            update(jobs)
-            .where(jobs.c.id == holder, jobs.c.status == s.RUNNING, jobs.c.preempt_requested_at.is_(None))
-            .values(preempt_requested_at=db_now())
-        )
-        if res.rowcount == 1:
-            self.platform.store.emit(
-                conn,
-                [new_event(holder, "job.preemption_requested", {"by": by_job, "lease_key": lease["key"]})],
-            )
-        return True
-
-    def flag(self, job_id: str, attempt: int, kind: str, task_id: str | None) -> None:
-        """After commit: the fast flag the holder's checkpoints read, and a revoke of the
-        holder's current Celery task id (never a later attempt's: each publish is fresh)."""
-        p = self.platform
-        try:
-            p.redis.set(self._flag(job_id), f"{kind}:{attempt}", ex=86400)
-        except Exception:
-            log.warning("could not set the fast stop flag of %s; checkpoints fall back to Postgres", job_id)
-        if task_id:
-            try:
-                p.app.control.revoke(task_id)
-            except Exception:
-                log.warning("revoke of %s failed", task_id, exc_info=True)
-
-    def stop_requested(self, job_id: str, attempt: int) -> str | None:
-        """``"preempt"``/``"cancel"`` when this job and attempt were asked to stop."""
-        try:
-            raw = self.platform.redis.get(self._flag(job_id))
-        except Exception:
-            raw = None
-        if raw is not None:
-            kind, _, at = (raw.decode() if isinstance(raw, bytes) else str(raw)).partition(":")
-            return kind if at == str(attempt) else None
-        return None
-
-    def stop_requested_db(self, job_id: str, attempt: int) -> str | None:
-        """The same question asked of Postgres (the truth, e.g. after a Redis wipe)."""
-        with reading(self.platform.engine) as conn:
-            row = conn.execute(
-                select(jobs.c.cancel_requested_at, jobs.c.preempt_requested_at).where(
-                    jobs.c.id == job_id, jobs.c.attempts == attempt, jobs.c.status == s.RUNNING
-                )
-            ).first()
-        if row is None:
-            return None
-        if row.cancel_requested_at is not None:
-            return CANCEL
-        return PREEMPT if row.preempt_requested_at is not None else None
-
-    def clear_flag(self, job_id: str) -> None:
-        """Forget a stop flag once it was acted on."""
-        with contextlib.suppress(Exception):
-            self.platform.redis.delete(self._flag(job_id))
+            self.connections.redis.blpop([self._wake(key)], timeout=max(0.01, timeout))
 
     def next_token(self, conn: Connection) -> int:
         """A fresh fencing token."""
         return next_seq(conn)
 
 
-def format_key(template: str, payload: Mapping[str, Any]) -> str:
-    """``"user:{user_id}"`` filled from the payload."""
-    return template.format(**payload)[:200]
+__all__ = ["Held", "Leases"]

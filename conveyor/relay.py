@@ -1,7 +1,8 @@
 """The relay publishes what Postgres says is due; the reconciler repairs what was lost.
 
 Both run in one background thread of every worker (and of ``conveyor up``); an advisory
-lock makes sure only one process in the cluster does the work at a time.
+lock makes sure only one process in the cluster does the work at a time. The reconciler's
+half of a pass is :mod:`conveyor.reconciler`.
 """
 
 from __future__ import annotations
@@ -12,59 +13,54 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sqlalchemy import and_, delete, exists, func, literal_column, or_, select, update
+from sqlalchemy import and_, func, or_, select
 
+from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.db.engine import brief_write
-from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
-from conveyor.errors import DatabaseBusy, WorkerLost
+from conveyor.db.schema import jobs
+from conveyor.dedup import Deduplicator
+from conveyor.errors import DatabaseBusy
 from conveyor.events import sequence_events
-from conveyor.liveness import Orphan, note_tick, takeovers_allowed
-from conveyor.store import counted_attempts, new_event
-
-if TYPE_CHECKING:
-    from conveyor.platform import Burial, Platform
+from conveyor.flow import Flow
+from conveyor.liveness import Deliveries, Orphan, note_tick
+from conveyor.reconciler import BATCH, Reconciler, TickReport
+from conveyor.store import JobStore, new_event
 
 log = logging.getLogger("conveyor.relay")
 
 RELAY_LOCK = 0x636F6E76  # "conv"
-BATCH = 500
 # Clocks of a worker host and of the database differ a little: widen the dying window.
 DYING_MARGIN = 2.0
 # How long a pass waits for SQLite's writer before skipping (Postgres: no limit).
 RELAY_WAIT = 0.5
 
 
-@dataclass
-class TickReport:
-    """What one relay/reconciler pass did (for logs and tests)."""
-
-    published: int = 0
-    republished: int = 0
-    stalled: int = 0
-    dead: int = 0
-    expired: int = 0
-    purged: int = 0
-    skipped_lock: bool = False
-    skipped_busy: bool = False  # SQLite's writer was held by a long transaction
-
-
 class Relay:
     """Publishes due jobs, republishes lost ones, requeues stalled ones, expires, purges."""
 
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
+    def __init__(
+        self,
+        connections: Connections,
+        *,
+        store: JobStore,
+        flow: Flow,
+        reconciler: Reconciler,
+        deliveries: Deliveries,
+        deduper: Deduplicator,
+    ) -> None:
+        self.connections = connections
+        self.store = store
+        self.flow = flow
+        self.reconciler = reconciler
+        self.deliveries = deliveries
+        self.deduper = deduper
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_reconcile = 0.0
-        self._unparked: list[str] = []
-        self._interrupts: list[tuple[str, int, str]] = []
-        self._burials: list[Burial] = []
-        self._stuck: list[str] = []  # holders whose followers wait although they ended
         self._last_unclaimed = float("-inf")
 
     # -- one pass -----------------------------------------------------------------------
@@ -82,20 +78,20 @@ class Relay:
             return TickReport(skipped_busy=True)
 
     def _tick(self, *, reconcile: bool) -> TickReport:
-        p = self.platform
+        connections = self.connections
         report = TickReport()
-        self._burials = []
-        settings = p.settings
+        self.reconciler.begin()
+        settings = connections.settings
         # The pass clock first, in a transaction of its own: it measures whether the
         # *database* was reachable (leases are renewed there), so a Redis outage that fails
         # the rest of this pass must not read as a gap.
-        with brief_write(p.engine, RELAY_WAIT) as conn:
+        with brief_write(connections.engine, RELAY_WAIT) as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
                 report.skipped_lock = True
                 return report
             note_tick(conn, gap=max(3 * settings.relay_interval, 2 * settings.heartbeat_interval))
         try:
-            epoch: str | None = p.broker.epoch(max_age=0)
+            epoch: str | None = connections.broker.epoch(max_age=0)
         except Exception:
             if not reconcile:
                 raise
@@ -103,35 +99,27 @@ class Relay:
             # this requeues is published as soon as Redis answers again.
             log.warning("Redis unreachable: reconciling in the database only", exc_info=True)
             epoch = None
-        orphans = p.deliveries.orphans() if reconcile and epoch is not None else {}
-        with brief_write(p.engine, RELAY_WAIT) as conn:
+        orphans = self.deliveries.orphans() if reconcile and epoch is not None else {}
+        with brief_write(connections.engine, RELAY_WAIT) as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
                 report.skipped_lock = True
                 return report
             # Reconcile first: a job it requeues is published in this very pass.
-            finished = self._reconcile(conn, report, redis_up=epoch is not None) if reconcile else []
+            finished = (
+                self.reconciler.reconcile(conn, report, redis_up=epoch is not None) if reconcile else []
+            )
             marked = (
                 self._mark_publishable(conn, epoch, orphans, reconcile=reconcile) if epoch is not None else []
             )
-        sequence_events(p.engine)  # keeps readers' own sequencer passes small
+        sequence_events(connections.engine)  # keeps readers' own sequencer passes small
         for job_id, status, dedup_key in finished:
-            p.finished(job_id, status, dedup_key=dedup_key)
+            self.flow.finished(job_id, status, dedup_key=dedup_key)
         if epoch is None:
             return report
         for worker in orphans:
-            p.deliveries.forget(worker)
+            self.deliveries.forget(worker)
         self._copy_dedup_events()
-        for burial in self._burials:
-            p.after_burial(burial)
-        for job_id in self._unparked:
-            p.republish_if_queued(job_id)
-        for holder in self._stuck:
-            p.followers.resolve(holder)
-        for job_id, attempt, task_id in self._interrupts:
-            p.app.control.broadcast(
-                "conveyor_interrupt", arguments={"job_id": job_id, "attempt": attempt, "task_id": task_id}
-            )
-        self._unparked, self._interrupts, self._burials, self._stuck = [], [], [], []
+        self.reconciler.after_commit()
         for row, task_id in marked:
             self._publish(row, task_id)
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)
@@ -143,7 +131,6 @@ class Relay:
     ) -> list[tuple[Any, str]]:
         """Due jobs and jobs whose message was lost, each marked published under ``epoch``
         with a fresh task id (published after commit)."""
-        p = self.platform
         due = (
             conn.execute(
                 select(jobs)
@@ -170,7 +157,7 @@ class Relay:
         return [
             (row, task_id)
             for row in unique.values()
-            if (task_id := p.store.mark_for_publish(conn, row, epoch=epoch)) is not None
+            if (task_id := self.store.mark_for_publish(conn, row, epoch=epoch)) is not None
         ]
 
     def _unclaimed_too_long(self, conn: Any, epoch: str) -> list[Any]:
@@ -182,7 +169,7 @@ class Relay:
         lost some; the oldest waiting jobs get one more message each, up to the shortfall,
         so the broker never holds much more than one message per waiting job.
         """
-        old = jobs.c.published_at < db_now_plus(-self.platform.settings.republish_after)
+        old = jobs.c.published_at < db_now_plus(-self.connections.settings.republish_after)
         waiting = _waiting_under(epoch)
         stale = [str(q) for q in conn.execute(select(jobs.c.queue).where(waiting, old).distinct()).scalars()]
         rows: list[Any] = []
@@ -195,7 +182,7 @@ class Relay:
         """The unclaimed-too-long check counts a queue's whole backlog: run it four times
         per ``republish_after`` (its resolution), not every reconciler pass."""
         now = time.monotonic()
-        if now - self._last_unclaimed < self.platform.settings.republish_after / 4:
+        if now - self._last_unclaimed < self.connections.settings.republish_after / 4:
             return False
         self._last_unclaimed = now
         return True
@@ -210,7 +197,7 @@ class Relay:
             .where(_waiting_under(epoch), jobs.c.queue.in_(queues))
             .group_by(jobs.c.queue)
         ).all()
-        messages = self.platform.broker.message_counts(queues)
+        messages = self.connections.broker.message_counts(queues)
         short = {str(q): min(int(n) - messages.get(str(q), 0), BATCH) for q, n in counts}
         return {q: n for q, n in short.items() if n > 0}
 
@@ -233,7 +220,7 @@ class Relay:
         published = _published_waiting()
         ids = sorted({j for o in orphans.values() for j in o.delivered} - seen)
         rows = list(conn.execute(select(jobs).where(jobs.c.id.in_(ids), published)).mappings()) if ids else []
-        beat = self.platform.deliveries.beat_interval
+        beat = self.deliveries.beat_interval
         in_window: dict[str, Any] = {}
         for orphan in orphans.values():
             start = dt.datetime.fromtimestamp(orphan.last_beat - DYING_MARGIN, dt.UTC)
@@ -256,9 +243,8 @@ class Relay:
 
         At-least-once: entries are deleted from the stream only after the outbox commit.
         """
-        p = self.platform
-        r = p.redis
-        entries: list[Any] = list(r.xrange(p.deduper.stream, count=BATCH) or [])
+        r = self.connections.redis
+        entries: list[Any] = list(r.xrange(self.deduper.stream, count=BATCH) or [])
         if not entries:
             return
         events = []
@@ -271,13 +257,13 @@ class Relay:
                 "fast_path": True,
             }
             events.append(new_event(f.get("job"), "job.deduplicated", body))
-        with p.engine.begin() as conn:
-            p.store.emit(conn, events)
-        r.xdel(p.deduper.stream, *[_text(eid) for eid, _ in entries])
+        with self.connections.engine.begin() as conn:
+            self.store.emit(conn, events)
+        r.xdel(self.deduper.stream, *[_text(eid) for eid, _ in entries])
 
     def _publish(self, row: Any, task_id: str) -> None:
         try:
-            self.platform.broker.publish(
+            self.connections.broker.publish(
                 stage=row["stage"],
                 job_id=row["id"],
                 queue=row["queue"],
@@ -288,161 +274,6 @@ class Relay:
         except Exception:
             # Marked as published under this epoch; the republish_after rule retries it.
             log.warning("relay could not publish job %s", row["id"], exc_info=True)
-
-    def _reconcile(
-        self, conn: Any, report: TickReport, *, redis_up: bool = True
-    ) -> list[tuple[str, str, str | None]]:
-        """Requeue stalled jobs, expire overdue ones, purge; returns the jobs it finished.
-
-        With Redis down it does only what needs no Redis after commit: burials (a chord's
-        counter lives in Redis), unparking and escalations wait for the next pass.
-        """
-        p = self.platform
-        finished: list[tuple[str, str, str | None]] = []
-        store = p.store
-        stale = (
-            conn.execute(
-                select(jobs)
-                .where(
-                    jobs.c.status == s.RUNNING,
-                    jobs.c.heartbeat_at < db_now_plus(-p.settings.lease_timeout),
-                    takeovers_allowed(p.settings.lease_timeout),
-                )
-                .limit(BATCH)
-            )
-            .mappings()
-            .all()
-        )
-        for row in stale:
-            attempt = int(row["attempts"])
-            body = {"while": "stalled", "previous_owner": row["lease_owner"]}
-            stopped = store.end_if_stopped(conn, row, body=body)
-            if stopped is not None:
-                if stopped[1]:
-                    finished.append((str(row["id"]), stopped[0], row["dedup_key"]))
-                continue
-            if counted_attempts(row) >= int(row["max_attempts"]):
-                if not redis_up:
-                    continue
-                message = (
-                    f"attempt {counted_attempts(row)} of {row['max_attempts']} stopped heartbeating "
-                    "(worker crash, kill or hang); giving up"
-                )
-                burial = p.bury(conn, row, error=WorkerLost(message), message=message, attempt=attempt)
-                if burial is not None:
-                    report.dead += 1
-                    self._burials.append(burial)
-                continue
-            res = conn.execute(
-                update(jobs)
-                .where(jobs.c.id == row["id"], jobs.c.status == s.RUNNING, jobs.c.attempts == attempt)
-                .values(
-                    status=s.QUEUED,
-                    published_at=None,
-                    lease_owner=None,
-                    run_at=db_now(),
-                    error_type="WorkerLost",
-                    last_error="lease expired",
-                    updated_at=db_now(),
-                )
-            )
-            if res.rowcount == 1:
-                store.emit(
-                    conn,
-                    [
-                        new_event(
-                            row["id"],
-                            "job.stalled",
-                            {"stage": row["stage"], "attempt": attempt, "previous_owner": row["lease_owner"]},
-                        )
-                    ],
-                )
-                p.metrics.inc("stalled", row["stage"])
-                report.stalled += 1
-                p.record_stalled(conn, row, attempt)
-        expired = (
-            conn.execute(
-                select(jobs)
-                .where(
-                    jobs.c.status.in_(s.CLAIMABLE),
-                    jobs.c.expires_at.is_not(None),
-                    jobs.c.expires_at <= db_now(),
-                )
-                .limit(BATCH)
-            )
-            .mappings()
-            .all()
-        )
-        for row in expired:
-            if store.finish(conn, row, s.EXPIRED, from_status=s.CLAIMABLE, topic="job.expired"):
-                p.metrics.inc("expired", row["stage"])
-                report.expired += 1
-                finished.append((row["id"], s.EXPIRED, row["dedup_key"]))
-        report.purged += self._purge(conn)
-        if redis_up:
-            self._unparked = p.leases.unpark_free_keys(conn)
-            self._interrupts = self._escalations(conn)
-            self._stuck = p.followers.stuck_holders(conn)
-        return finished
-
-    def _escalations(self, conn: Any) -> list[tuple[str, int, str]]:
-        """Running jobs asked to stop (preempt or cancel) that let their grace period pass
-        without a checkpoint; each is escalated once."""
-        p = self.platform
-        cutoff = db_now_plus(-p.settings.preempt_grace)
-        rows = conn.execute(
-            select(jobs.c.id, jobs.c.attempts, jobs.c.celery_task_id, jobs.c.stage)
-            .where(
-                jobs.c.status == s.RUNNING,
-                jobs.c.interrupt_sent_at.is_(None),
-                or_(jobs.c.preempt_requested_at < cutoff, jobs.c.cancel_requested_at < cutoff),
-            )
-            .limit(50)
-        ).all()
-        out = []
-        for row in rows:
-            spec = p.stages.get(row.stage)
-            if spec is not None and spec.grace is not None and spec.grace > p.settings.preempt_grace:
-                waited_enough = conn.execute(
-                    select(jobs.c.id).where(
-                        jobs.c.id == row.id,
-                        or_(
-                            jobs.c.preempt_requested_at < db_now_plus(-spec.grace),
-                            jobs.c.cancel_requested_at < db_now_plus(-spec.grace),
-                        ),
-                    )
-                ).first()
-                if waited_enough is None:
-                    continue
-            res = conn.execute(
-                update(jobs)
-                .where(
-                    jobs.c.id == row.id, jobs.c.attempts == row.attempts, jobs.c.interrupt_sent_at.is_(None)
-                )
-                .values(interrupt_sent_at=db_now())
-            )
-            if res.rowcount == 1 and row.celery_task_id:
-                store_event = new_event(row.id, "job.interrupt_sent", {"attempt": row.attempts})
-                p.store.emit(conn, [store_event])
-                out.append((str(row.id), int(row.attempts), str(row.celery_task_id)))
-        return out
-
-    def _purge(self, conn: Any) -> int:
-        settings = self.platform.settings
-        keep = -settings.retention_days * 86400
-        n = conn.execute(
-            delete(jobs).where(jobs.c.status.in_(list(s.TERMINAL)), jobs.c.finished_at < db_now_plus(keep))
-        ).rowcount
-        n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
-        holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == literal_column("dedup_keys.job_id")))
-        n += conn.execute(delete(dedup_keys).where(holder_gone)).rowcount
-        n += self.platform.followers.purge(conn)
-        n += conn.execute(
-            delete(dead_letters).where(
-                dead_letters.c.created_at < db_now_plus(-settings.dlq_retention_days * 86400)
-            )
-        ).rowcount
-        return int(n or 0)
 
     # -- background thread --------------------------------------------------------------
 
@@ -462,7 +293,7 @@ class Relay:
             self._thread = None
 
     def _loop(self) -> None:
-        settings = self.platform.settings
+        settings = self.connections.settings
         while not self._stop.wait(settings.relay_interval):
             now = time.monotonic()
             reconcile = now - self._last_reconcile >= settings.reconciler_interval
@@ -479,10 +310,10 @@ class Relay:
     def _note_pass(self, outcome: str) -> None:
         """Record in Redis that this relay thread made a pass (monitoring: it is alive
         and not stuck behind a lock), whether the pass did its work or not."""
-        p = self.platform
+        connections = self.connections
         try:
             value = json.dumps({"at": time.time(), "outcome": outcome, "pid": os.getpid()})
-            p.redis.set(f"{p.settings.key_prefix}relay:pass", value, ex=300)
+            connections.redis.set(f"{connections.settings.key_prefix}relay:pass", value, ex=300)
         except Exception:  # Redis down: nothing to record it in
             log.debug("could not record the relay pass", exc_info=True)
 

@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ __all__ = [
     "RunInfo",
     "RunningError",
     "claim_run",
+    "lease_owner",
+    "local_node",
+    "owner_id",
     "pid_alive",
     "read_run_info",
     "release_run",
@@ -134,6 +138,13 @@ def owner_id(pid: int | None = None, thread: int | None = None) -> str:
     """A lease owner: ``node:pid``, plus ``:thread`` for jobs run by a thread pool."""
     owner = f"{local_node()}:{os.getpid() if pid is None else pid}"
     return f"{owner}:{thread}" if thread is not None else owner
+
+
+def lease_owner() -> str:
+    """The calling thread's lease owner: ``node:pid``, plus the thread for a job run by a
+    thread pool (any thread but the main one); see :func:`owner_id`."""
+    main = threading.current_thread() is threading.main_thread()
+    return owner_id(thread=None if main else threading.get_ident())
 
 
 def pid_alive(pid: int) -> bool:

@@ -10,14 +10,19 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from conveyor.admission import RateLimit
-
 
 def _log_level(value: str) -> str:
     name = value.strip().upper()
     if not isinstance(logging.getLevelName(name), int):
         raise ValueError(f"unknown log level {value!r} (DEBUG, INFO, WARNING, ERROR or CRITICAL)")
     return name
+
+
+class RateLimit(BaseModel):
+    """At most ``rate`` jobs per second started from a queue, across all workers."""
+
+    rate: float = Field(gt=0)
+    burst: float | None = Field(None, ge=1, description="bucket size; default: one second's worth")
 
 
 class StageOverride(BaseModel):

@@ -21,19 +21,18 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from celery import signals
 from celery.worker import state as worker_state
 from sqlalchemy import or_, select
 
 from conveyor.broker import JOB_HEADER
+from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.schema import jobs
+from conveyor.flow import Flow
 from conveyor.runfile import owner_id
-
-if TYPE_CHECKING:
-    from conveyor.platform import Platform
 
 log = logging.getLogger("conveyor.shutdown")
 
@@ -50,8 +49,9 @@ def request_job_id(request: Any) -> str | None:
 class BoundedShutdown:
     """Installed by ``conveyor worker``: see the module docs."""
 
-    def __init__(self, platform: Platform) -> None:
-        self.platform = platform
+    def __init__(self, connections: Connections, *, flow: Flow) -> None:
+        self.connections = connections
+        self.flow = flow
         self._started = False
 
     def install(self) -> None:
@@ -65,7 +65,7 @@ class BoundedShutdown:
         threading.Thread(target=self._watch, name="conveyor-shutdown", daemon=True).start()
 
     def _watch(self) -> None:
-        timeout = self.platform.settings.soft_shutdown_timeout
+        timeout = self.connections.settings.soft_shutdown_timeout
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not worker_state.active_requests:
@@ -99,7 +99,7 @@ class BoundedShutdown:
 
     def _requeue(self, job_id: str, owner: str) -> None:
         try:
-            outcome = self.platform.runner.requeue_uncounted(job_id, None, owner, "shutdown", defer=False)
+            outcome = self.flow.requeue_uncounted(job_id, None, owner, "shutdown")
         except Exception:
             # The database is out of reach: the lease expires and the reconciler takes the
             # job over (that attempt counts, as any crash does).
@@ -112,7 +112,7 @@ class BoundedShutdown:
         """(job id, lease owner) of the jobs this process runs: its main thread's and its
         pool threads' (``node:pid`` and ``node:pid:thread``)."""
         me = owner_id()
-        with self.platform.engine.connect() as conn:
+        with self.connections.engine.connect() as conn:
             rows = conn.execute(
                 select(jobs.c.id, jobs.c.lease_owner).where(
                     jobs.c.status == s.RUNNING,

@@ -1,4 +1,7 @@
-"""Stage declarations: the typed payload, the policy, and the Celery task that runs them."""
+"""Stage declarations: the typed payload and the policy, and how a Celery call maps onto them.
+
+The Celery task class that runs a stage is :class:`conveyor.task.StageTask`.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +9,16 @@ import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
-from celery import Task
 from pydantic import BaseModel, ValidationError
 
 from conveyor.dedup import Dedup
 from conveyor.errors import PayloadInvalid, PayloadTooLarge
 from conveyor.retry import Backoff, RetryPolicy
 
-if TYPE_CHECKING:
-    from conveyor.context import JobContext
-    from conveyor.platform import Platform
-
-StageFn = Callable[["JobContext", Any], Any]
+# ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.context.JobContext`.
+StageFn = Callable[[Any, Any], Any]
 
 
 @dataclass(frozen=True)
@@ -132,54 +131,26 @@ def to_jsonable(value: Any) -> Any:
     return value
 
 
-class StageTask(Task):  # type: ignore[misc]
-    """Base class of every stage: the claim/complete lifecycle wraps the body.
+def format_key(template: str, payload: Mapping[str, Any]) -> str:
+    """A stage's lease key (``"user:{user_id}"``) filled from the payload."""
+    return template.format(**payload)[:200]
 
-    ``apply_async`` records the job in the database before anything is published, so
-    ``delay()``, canvases and ``submit()`` all take the same path. Messages that still
-    arrive without a job row (``send_task`` from an app that never imported the stage)
-    are adopted at claim time.
-    """
 
-    spec: ClassVar[StageSpec]
-    platform: ClassVar[Platform]
-    typing = False
-    acks_late = True
-    reject_on_worker_lost = True
+def signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any) -> dict[str, Any]:
+    """The subset of apply_async options needed to publish the same message again."""
+    keep = ("chain", "chord", "group_id", "group_index", "parent_id", "root_id")
+    out = {k: _plain(options[k]) for k in keep if options.get(k) is not None}
+    if link:
+        out["link"] = _plain(link if isinstance(link, list) else [link])
+    if link_error:
+        out["link_error"] = _plain(link_error if isinstance(link_error, list) else [link_error])
+    return out
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.request.called_directly:
-            return self.platform.runner.run_inline(self.spec, args, kwargs)
-        return self.platform.runner.execute(self, args, kwargs)
 
-    def apply_async(
-        self,
-        args: tuple[Any, ...] | None = None,
-        kwargs: dict[str, Any] | None = None,
-        task_id: str | None = None,
-        producer: Any = None,
-        link: Any = None,
-        link_error: Any = None,
-        shadow: str | None = None,
-        **options: Any,
-    ) -> Any:
-        """Submit through the platform; countdown/eta become ``run_at`` in the database."""
-        handle = self.platform.submit_call(
-            self.spec,
-            tuple(args or ()),
-            dict(kwargs or {}),
-            task_id=task_id,
-            link=link,
-            link_error=link_error,
-            options=options,
-        )
-        result = self.AsyncResult(handle.task_id or handle.id)
-        result.job = handle
-        return result
-
-    def on_failure(self, exc: BaseException, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
-        """Observe failures; a hard time limit is recorded here, in the worker's main process."""
-        from billiard.exceptions import TimeLimitExceeded
-
-        if isinstance(exc, TimeLimitExceeded):
-            self.platform.runner.record_hard_timeout(self.spec, task_id, exc)
+def _plain(value: Any) -> Any:
+    """Signatures are dicts; make nested ones plain JSON-able structures."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

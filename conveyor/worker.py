@@ -5,29 +5,70 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from celery import bootsteps, signals
+from celery import Celery, bootsteps, signals
 from celery.utils.log import get_multiprocessing_logger
 from celery.worker import state as worker_state
 from celery.worker.control import control_command
+from redis import Redis
 
+from conveyor import registry
+from conveyor.connections import Connections
 from conveyor.errors import ConfigurationError
-from conveyor.heartbeat import INTERRUPT_SIGNAL
+from conveyor.heartbeat import INTERRUPT_SIGNAL, Heartbeat
+from conveyor.liveness import Deliveries
 from conveyor.logs import configure_logging
 from conveyor.relay import Relay
+from conveyor.settings import ConveyorSettings
 from conveyor.shutdown import request_job_id
-
-if TYPE_CHECKING:
-    from conveyor.platform import Platform
+from conveyor.stage import StageSpec
 
 log = logging.getLogger("conveyor.worker")
 
 
-def check_redis_policy(platform: Platform) -> None:
+class Configured(Protocol):
+    """Whatever carries the settings (the platform)."""
+
+    @property
+    def settings(self) -> ConveyorSettings: ...
+
+
+class Host(Configured, Protocol):
+    """What the worker integration needs of the platform that installs it
+    (:class:`conveyor.platform.Platform`, found as ``app.conveyor`` by the bootstep)."""
+
+    @property
+    def app(self) -> Celery: ...
+
+    @property
+    def connections(self) -> Connections: ...
+
+    @property
+    def heartbeat(self) -> Heartbeat: ...
+
+    @property
+    def deliveries(self) -> Deliveries: ...
+
+    @property
+    def stages(self) -> Mapping[str, StageSpec]: ...
+
+    @property
+    def background(self) -> list[Any]: ...
+
+    def relay(self) -> Relay:
+        """A new relay (and reconciler)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget this process's connections (after a fork)."""
+        ...
+
+
+def check_redis_policy(redis: Redis) -> None:
     """Refuse to run unless Redis will never evict keys (kombu's bindings included)."""
-    info = platform.redis.info("memory")
+    info = redis.info("memory")
     policy = str(info.get("maxmemory_policy", "unknown"))
     if policy != "noeviction":
         raise ConfigurationError(
@@ -43,17 +84,21 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
     requires = {"celery.worker.components:Pool"}
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
-        self.platform: Platform = worker.app.conveyor
+        self.host: Host = worker.app.conveyor
         self.relay: Relay | None = None
         self.worker_id = f"{worker.hostname}:{os.getpid()}"
         self._record: Any = None
 
     def start(self, worker: Any) -> None:
-        check_redis_policy(self.platform)
+        host = self.host
+        check_redis_policy(host.connections.redis)
+        # Callers that submit by name validate against what the workers run.
+        host.app.loader.import_default_modules()
+        registry.refresh(host.connections.engine, host.stages.values())
         # A stray interrupt must never end the worker itself (SIGUSR2's default action).
-        self.platform.runner.heartbeat.install_interrupt_handler()
-        self.platform.broker.epoch(max_age=0)
-        deliveries = self.platform.deliveries
+        host.heartbeat.install_interrupt_handler()
+        host.connections.broker.epoch(max_age=0)
+        deliveries = host.deliveries
         deliveries.beat(self.worker_id)
         deliveries.start(self.worker_id)
         worker_id = self.worker_id
@@ -68,9 +113,9 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
         self._record = record
         signals.task_received.connect(record, weak=False)
-        self.relay = Relay(self.platform)
+        self.relay = host.relay()
         self.relay.start()
-        self.platform.background.append(self.relay)
+        host.background.append(self.relay)
 
     def stop(self, worker: Any) -> None:
         if self.relay is not None:
@@ -78,7 +123,7 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if self._record is not None:
             signals.task_received.disconnect(self._record)
             self._record = None
-        self.platform.deliveries.stop(self.worker_id)
+        self.host.deliveries.stop(self.worker_id)
 
     def shutdown(self, worker: Any) -> None:
         self.stop(worker)
@@ -105,7 +150,7 @@ def conveyor_interrupt(state: Any, job_id: str, attempt: int, task_id: str) -> d
     return {"ok": "not running here"}
 
 
-def use_conveyor_logging(platform: Platform) -> Callable[[], None]:
+def use_conveyor_logging(platform: Configured) -> Callable[[], None]:
     """Make Celery programs (worker, beat) log through :func:`conveyor.logs.configure_logging`.
 
     A receiver of ``setup_logging`` makes Celery skip its own logging setup entirely. The
@@ -144,7 +189,7 @@ def use_conveyor_logging(platform: Platform) -> Callable[[], None]:
     return disconnect
 
 
-def install(platform: Platform) -> None:
+def install(platform: Host) -> None:
     """Wire the platform into its Celery app's workers."""
     app = platform.app
     use_conveyor_logging(platform)
@@ -155,6 +200,6 @@ def install(platform: Platform) -> None:
         # Pool children must not share the parent's sockets (SQLAlchemy pool, Redis).
         platform.reset()
         # Before any job: SIGUSR2's default action would end the child.
-        platform.runner.heartbeat.install_interrupt_handler()
+        platform.heartbeat.install_interrupt_handler()
 
     signals.worker_process_init.connect(_reset_after_fork, weak=False)

@@ -55,7 +55,7 @@ def test_preemption_request_seen_without_its_redis_flag(platform: Any, spawn: Sp
     eventually(lambda: f"{tag}:start:1" in _markers(platform, tag), timeout=60)
     with platform.engine.begin() as conn:
         lease = conn.execute(select(leases).where(leases.c.key == f"user:{tag}")).mappings().one()
-        assert platform.leases.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
+        assert platform.stops.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
     platform.redis.delete(f"{platform.settings.key_prefix}stop:{holder.id}")
     eventually(lambda: "job.preempted" in [e.topic for e in holder.events()[0]], timeout=10)
     with platform.engine.begin() as conn:  # the (imaginary) preemptor is done with the lease
@@ -89,7 +89,7 @@ def test_interrupt_before_the_request_is_known_still_stops_the_holder(
     eventually(lambda: f"{tag}:start:1" in _markers(platform, tag), timeout=60)
     with platform.engine.begin() as conn:
         lease = conn.execute(select(leases).where(leases.c.key == f"user:{tag}")).mappings().one()
-        assert platform.leases.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
+        assert platform.stops.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
         conn.execute(update(leases).where(leases.c.key == f"user:{tag}").values(reserved_job=None))
     row = job_row(platform, holder.id)
     os.kill(int(row["lease_owner"].split(":")[1]), signal.SIGUSR2)

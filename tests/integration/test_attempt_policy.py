@@ -94,7 +94,7 @@ def test_fenced_off_attempts_late_failure_writes_nothing(platform: Any) -> None:
     from celery.exceptions import Ignore
 
     with pytest.raises(Ignore):
-        platform.runner._fail(None, spec, first, 1, RuntimeError("late failure of attempt 1"))
+        platform.completion.fail(None, spec, first, 1, RuntimeError("late failure of attempt 1"))
     handle = platform.job(job_id)
     row = handle.row()
     assert row["status"] == s.RUNNING and row["attempts"] == 2 and row["error_type"] is None
@@ -103,7 +103,7 @@ def test_fenced_off_attempts_late_failure_writes_nothing(platform: Any) -> None:
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(max_attempts=1))
         first = dict(first) | {"max_attempts": 1}
     with pytest.raises(Ignore):
-        platform.runner._fail(None, spec, first, 1, RuntimeError("late failure of attempt 1"))
+        platform.completion.fail(None, spec, first, 1, RuntimeError("late failure of attempt 1"))
     assert handle.row()["status"] == s.RUNNING and dead_letter_for(platform, job_id) is None
 
 

@@ -18,7 +18,6 @@ from sqlalchemy import func, insert, literal_column, select, update
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now
 from conveyor.db.schema import job_events, jobs
-from conveyor.relay import Relay
 from tests.helpers import discarded, eventually, publish_again
 
 pytestmark = pytest.mark.timeout(300)
@@ -78,7 +77,7 @@ def _submit_backlog(platform: Any, tag: str) -> None:
             insert(jobs).values(run_at=db_now(), created_at=db_now(), updated_at=db_now()),
             rows,
         )
-    relay = Relay(platform)
+    relay = platform.relay()
     while _unpublished(platform, tag):
         relay.tick(reconcile=False)
 
@@ -90,7 +89,7 @@ def _unpublished(platform: Any, tag: str) -> int:
 
 
 def _periods(platform: Any, n: int) -> None:
-    relay = Relay(platform)
+    relay = platform.relay()
     for _ in range(n):
         time.sleep(PERIOD)
         relay.tick()
@@ -123,7 +122,7 @@ def test_backlog_is_not_multiplied_and_a_wipe_republishes_once(fast_republish: A
 
         # Redis wiped: every job is republished once for the new epoch, then no more.
         platform.redis.flushdb()
-        relay = Relay(platform)
+        relay = platform.relay()
         for _ in range(N // 500 + 2):
             relay.tick(reconcile=False)
         assert _messages(platform) == _waiting_in_queue(platform)

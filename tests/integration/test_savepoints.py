@@ -93,7 +93,6 @@ def test_session_joined_to_an_outer_transaction_publishes_when_that_commits(plat
     fixture's, a framework's): its commit is only a savepoint release. The job is published
     when the outer transaction commits (by the relay, within its interval), never before,
     and never if the outer transaction rolls back."""
-    from conveyor.relay import Relay
 
     before = _queue_len(platform)
     with platform.engine.connect() as conn:
@@ -109,7 +108,7 @@ def test_session_joined_to_an_outer_transaction_publishes_when_that_commits(plat
         gone = platform.submit("conveyor.demo.effect", {"note": tag + "-x"}, session=session)
         session.commit()
         outer.rollback()
-    Relay(platform).tick(reconcile=False)  # publishes every due job, not only this test's
+    platform.relay().tick(reconcile=False)  # publishes every due job, not only this test's
     queued = b"".join(platform.redis.lrange("demo", 0, -1))
     assert kept.id.encode() in queued and _published_now(platform, kept)
     assert job_row(platform, gone.id) is None

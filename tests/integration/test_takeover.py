@@ -13,7 +13,6 @@ from sqlalchemy import update
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.schema import jobs
-from conveyor.relay import Relay
 from conveyor.runfile import owner_id
 from conveyor.store import ClaimOutcome, NewJob
 
@@ -72,7 +71,7 @@ def test_a_new_attempt_starts_without_the_old_stop_request(platform: Any) -> Non
     claim = _claim(platform, job_id)
     assert claim.outcome is ClaimOutcome.RUN and claim.job["attempts"] == 2
     assert claim.job["preempt_requested_at"] is None and claim.job["interrupt_sent_at"] is None
-    assert platform.leases.stop_requested_db(job_id, 2) is None
+    assert platform.stops.stop_requested_db(job_id, 2) is None
 
 
 def test_reconciler_ends_a_stale_expired_or_cancelled_job_instead_of_requeueing(platform: Any) -> None:
@@ -80,7 +79,7 @@ def test_reconciler_ends_a_stale_expired_or_cancelled_job_instead_of_requeueing(
     expired = _running(platform, heartbeat_at=stale, expires_at=db_now_plus(-1))
     cancelled = _running(platform, heartbeat_at=stale, cancel_requested_at=db_now())
     plain = _running(platform, heartbeat_at=stale)
-    relay = Relay(platform)
+    relay = platform.relay()
     relay.tick(reconcile=False)
     with platform.engine.begin() as conn:  # as if this relay had been running all along
         conn.execute(update(s.counters).where(s.counters.c.name == "relay_resumed_ms").values(value=0))
@@ -94,7 +93,7 @@ def test_no_lease_is_taken_over_until_a_lease_timeout_after_the_database_came_ba
     """A stale heartbeat right after an outage (no relay pass for a while) is the outage's
     doing, not a dead owner's: neither the reconciler nor a claim takes the job over."""
     job_id = _running(platform, heartbeat_at=db_now_plus(-3600), lease_owner="otherhost:1")
-    relay = Relay(platform)
+    relay = platform.relay()
     with platform.engine.begin() as conn:  # the last relay pass was long ago: an outage
         conn.execute(update(s.counters).where(s.counters.c.name == "relay_tick_ms").values(value=0))
     relay.tick()

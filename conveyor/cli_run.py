@@ -1,0 +1,307 @@
+"""``conveyor up``, ``worker``, ``beat``, ``flower`` and ``demo``: the commands that run
+processes (``up`` supervises its children, restarting one that exits)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from conveyor.cli_common import cli, import_path, load_platform, migrate, run_command
+from conveyor.cli_output import console, err
+from conveyor.settings import ConveyorSettings
+
+
+@dataclass
+class _Child:
+    """A process ``conveyor up`` keeps running: restarted, with backoff, whenever it exits."""
+
+    name: str
+    launch: Callable[[], subprocess.Popen[bytes]]
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    quick_exits: int = 0  # exits in a row, each within STABLE_AFTER seconds of its start
+    restart_at: float | None = None
+
+    def start(self) -> subprocess.Popen[bytes]:
+        self.proc = proc = self.launch()
+        self.started, self.restart_at = time.monotonic(), None
+        return proc
+
+
+RESTART_DELAY = 1.0  # seconds before the first restart; doubled per quick exit, up to the cap
+RESTART_DELAY_MAX = 60.0
+STABLE_AFTER = 60.0  # a child that ran this long starts its backoff over
+
+
+def _tend(child: _Child, now: float) -> None:
+    """Restart ``child`` once its backoff is over; when it has exited, schedule that."""
+    if child.restart_at is not None:
+        if now >= child.restart_at:
+            err.print(f"conveyor up: {child.name} restarted (pid {child.start().pid})")
+        return
+    if child.proc is None or child.proc.poll() is None:
+        return
+    if now - child.started >= STABLE_AFTER:
+        child.quick_exits = 0
+    delay = min(RESTART_DELAY_MAX, RESTART_DELAY * 2**child.quick_exits)
+    child.quick_exits += 1
+    child.restart_at = now + delay
+    err.print(
+        f"[yellow]conveyor up: {child.name} (pid {child.proc.pid}) exited with code "
+        f"{child.proc.returncode}; restarting in {delay:.0f}s[/yellow]"
+    )
+
+
+def _supervise(children: list[_Child]) -> None:
+    """Keep ``children`` running until SIGTERM or Ctrl-C."""
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    try:
+        while not stopping.wait(0.5):
+            now = time.monotonic()
+            for child in children:
+                _tend(child, now)
+    except KeyboardInterrupt:
+        pass
+
+
+def _up_children(platform: Any, logs: Path, *, concurrency: int | None, flower: bool) -> list[_Child]:
+    """What ``conveyor up`` runs: a worker (with the relay), beat and optionally Flower."""
+    from conveyor.procs import service_env, start_worker
+
+    settings = platform.settings
+    queues = [q.name for q in platform.queues]
+
+    def worker() -> subprocess.Popen[bytes]:
+        return start_worker(settings, queues=queues, concurrency=concurrency, log_path=logs / "worker.log")
+
+    def beat() -> subprocess.Popen[bytes]:
+        with open(logs / "beat.log", "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", settings.app, "beat", "-l", "INFO"],
+                env=service_env(settings),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    children = [_Child("worker", worker), _Child("beat", beat)]
+    if flower:
+        # One password for the whole run: a restarted Flower must not invent a new one.
+        password = settings.flower_password or secrets.token_urlsafe(12)
+        if not settings.flower_password:
+            console.print(f"Flower password [bold]{password}[/bold]")
+        port = settings.flower_port
+        children.append(_Child("flower", lambda: _flower_process(settings, port=port, password=password)))
+    return children
+
+
+@cli.command()
+def up(
+    concurrency: int = typer.Option(None, help="worker pool size (default: setting)"),
+    flower: bool = typer.Option(False, help="also run Flower (basic auth, read-only)"),
+) -> None:
+    """Run everything in one: services (embedded if unset), migrations, worker+relay, beat.
+
+    A child that exits is restarted (after 1 s, doubling per quick exit, up to 60 s); Ctrl-C
+    or SIGTERM stops everything.
+    """
+
+    def main() -> int:
+        from conveyor.procs import stop
+        from conveyor.runfile import RunInfo, claim_run, release_run
+        from conveyor.services import attach, start_embedded
+
+        base = ConveyorSettings()
+        home = base.resolved_home()
+        services = attach(base) if base.redis_url and base.database_url else None
+        services = services or start_embedded(base)
+        info = RunInfo(
+            pid=os.getpid(),
+            redis_url=services.redis_url,
+            database_url=services.database_url,
+            started_at=time.time(),
+            redis_pid=services.embedded_redis.pid if services.embedded_redis else None,
+        )
+        try:
+            claim_run(home, info)
+        except RuntimeError as exc:
+            services.stop()
+            err.print(f"[red]{exc}[/red]")
+            return 2
+        children: list[_Child] = []
+        try:
+            platform = load_platform(require_services=False)
+            platform.bind(redis_url=services.redis_url, database_url=services.database_url)
+            migrate(platform)
+            logs = home / "logs"
+            logs.mkdir(exist_ok=True)
+            children = _up_children(platform, logs, concurrency=concurrency, flower=flower)
+            for child in children:
+                child.start()
+            console.print(
+                f"[green]conveyor up[/green]: redis {services.redis_url} · db {services.database_url}"
+            )
+            console.print(f"logs in {logs}; Ctrl-C to stop")
+            _supervise(children)
+            return 0
+        finally:
+            for child in children:
+                if child.proc is not None:
+                    stop(child.proc)
+            services.stop()
+            release_run(home, os.getpid())
+
+    run_command(main)
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def worker(
+    ctx: typer.Context,
+    metrics_port: int = typer.Option(None, help="serve Prometheus metrics on this port"),
+) -> None:
+    """Run a Celery worker for the deployment (extra args go to ``celery worker``).
+
+    Without ``-Q`` it consumes every queue the deployment declares (``task_queues``).
+
+    Unlike a plain ``celery worker``, SIGTERM is bounded by ``CONVEYOR_SOFT_SHUTDOWN_TIMEOUT``:
+    jobs still running at the deadline are requeued uncounted, then the worker exits.
+    """
+
+    def main() -> int:
+        platform = load_platform()
+        if metrics_port:
+            from conveyor.metrics import serve
+
+            serve(metrics_port, str(platform.metrics.enable()))
+        from conveyor.shutdown import BoundedShutdown
+
+        BoundedShutdown(platform.connections, flow=platform.flow).install()
+        # The bound replaces Celery's soft phase of a cold shutdown (SIGQUIT stays immediate).
+        platform.app.conf.worker_soft_shutdown_timeout = 0
+        argv = ["worker", "-l", "INFO", *ctx.args]
+        platform.app.worker_main(argv)
+        return 0
+
+    run_command(main)
+
+
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def beat(ctx: typer.Context) -> None:
+    """Run celery beat (in-memory schedule state: no shelve file)."""
+    run_command(lambda: load_platform().app.start(["beat", "-l", "INFO", *ctx.args]))
+
+
+def _flower_process(
+    settings: ConveyorSettings, *, port: int, password: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Flower, read-only, behind basic auth, never persistent (its state file pickles).
+
+    The credentials travel in the environment, not on the command line (``ps`` shows
+    arguments to every local user); ``FLOWER_*`` variables and ``flowerconfig.py`` files
+    are ignored so nothing can switch persistence or control back on.
+    """
+    from conveyor.procs import service_env
+
+    chosen = password or settings.flower_password
+    password = chosen or secrets.token_urlsafe(12)
+    shown = f" password [bold]{password}[/bold]" if not chosen else ""
+    console.print(f"Flower on http://127.0.0.1:{port} user [bold]{settings.flower_user}[/bold]{shown}")
+    env = {k: v for k, v in service_env(settings).items() if not k.startswith("FLOWER_")}
+    env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
+    home = settings.resolved_home()
+    conf = home / "flowerconfig.py"
+    conf.write_text("# Written by conveyor: Flower's options come from `conveyor flower` only.\n")
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            settings.app,
+            "flower",
+            f"--port={port}",
+            "--address=127.0.0.1",
+            "--read_only=True",
+            "--persistent=False",
+            f"--conf={conf}",
+        ],
+        env=env,
+        cwd=home,
+        start_new_session=True,
+    )
+
+
+@cli.command()
+def flower(
+    port: int = typer.Option(None, help="port (default: setting)"),
+    password: str = typer.Option(None, help="basic-auth password (default: setting or random)"),
+) -> None:
+    """Run Flower, read-only and behind basic auth (never ``--persistent``: it pickles)."""
+
+    def main() -> int:
+        from conveyor.procs import stop
+
+        platform = load_platform()
+        proc = _flower_process(
+            platform.settings, port=port or platform.settings.flower_port, password=password
+        )
+        signal.signal(signal.SIGTERM, lambda *_: stop(proc))
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            return stop(proc)
+
+    run_command(main)
+
+
+@cli.command()
+def demo(
+    jobs: int = typer.Option(300, help="number of plain self-check jobs"),
+    concurrency: int = typer.Option(2, help="worker pool size"),
+) -> None:
+    """Self-check: push a few hundred jobs through a real worker and assert the outcome."""
+
+    def main() -> int:
+        from conveyor.procs import start_worker, stop
+        from conveyor.services import attach, start_embedded
+
+        base = ConveyorSettings()
+        services = attach(base)
+        attached = services is not None
+        services = services or start_embedded(base)
+        proc = None
+        try:
+            platform = load_platform(require_services=False)
+            platform.bind(redis_url=services.redis_url, database_url=services.database_url)
+            migrate(platform)
+            if not attached or (base.redis_url and base.database_url):
+                logs = platform.settings.resolved_home() / "logs"
+                logs.mkdir(exist_ok=True)
+                proc = start_worker(
+                    platform.settings,
+                    queues=[q.name for q in platform.queues],
+                    concurrency=concurrency,
+                    log_path=logs / "demo-worker.log",
+                    extra_env={"CONVEYOR_RELAY_INTERVAL": "0.2", "CONVEYOR_RECONCILER_INTERVAL": "1"},
+                )
+            check = import_path(platform.settings.demo)
+            ok = check(platform, console, jobs=jobs)
+            return 0 if ok else 1
+        finally:
+            if proc is not None:
+                stop(proc)
+            services.stop()
+
+    run_command(main)

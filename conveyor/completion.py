@@ -1,0 +1,243 @@
+"""How an attempt ends: one completion transaction, or a retry, or the dead-letter queue.
+
+A body that returned commits its writes, its ``succeeded`` (or ``skipped``) compare-and-set,
+its events and its continuation in one transaction. A body that raised is retried with
+its stage's backoff or dead-lettered, decided by the error class and the budget. A write
+refused by the fencing compare-and-set (a newer attempt owns the job) records nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Task
+from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
+from sqlalchemy import update
+
+from conveyor.connections import Connections
+from conveyor.context import JobContext
+from conveyor.continuations import Continuations
+from conveyor.db import schema as s
+from conveyor.db.schema import jobs
+from conveyor.errors import LeaseLost, describe, is_connection_loss, is_permanent
+from conveyor.flow import Flow
+from conveyor.heartbeat import Heartbeat
+from conveyor.metrics import Metrics
+from conveyor.runfile import lease_owner
+from conveyor.stage import StageSpec
+from conveyor.store import JobStore, NewJob, Row, counted_attempts, format_traceback, new_event
+
+log = logging.getLogger("conveyor.completion")
+
+
+class Completion:
+    """Records the end of an attempt: success, retry or dead letter."""
+
+    def __init__(
+        self,
+        connections: Connections,
+        *,
+        store: JobStore,
+        continuations: Continuations,
+        flow: Flow,
+        heartbeat: Heartbeat,
+        metrics: Metrics,
+    ) -> None:
+        self.connections = connections
+        self.store = store
+        self.continuations = continuations
+        self.flow = flow
+        self.heartbeat = heartbeat
+        self.metrics = metrics
+
+    def complete(
+        self,
+        task: Task,
+        spec: StageSpec,
+        job: Row,
+        ctx: JobContext,
+        result: Any,
+        skipped: str | None = None,
+    ) -> None:
+        """Commit the stage's writes, its ``succeeded`` (or ``skipped``) CAS, its events and
+        its continuation, in one transaction."""
+        store = self.store
+        conn = ctx.take_connection()
+        simple = skipped is None and not ctx.events and not task.request.chain and not task.request.callbacks
+        if conn is None and simple:
+            # Nothing but the completion itself to commit: one statement, autocommit.
+            with self.connections.autocommit() as ac:
+                if not store.succeed_with_event(ac, job["id"], int(job["attempts"]), result, spec.name):
+                    raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
+            self.metrics.inc("succeeded", spec.name)
+            self._after_commit(task, job, result, [])
+            return
+        own = conn is None
+        if conn is None:
+            conn = self.connections.engine.connect()
+            conn.begin()
+        continuation: list[NewJob] = []
+        try:
+            if skipped is not None:
+                ok = store.finish(
+                    conn,
+                    job,
+                    s.SKIPPED,
+                    from_status=(s.RUNNING,),
+                    attempt=int(job["attempts"]),
+                    topic="job.skipped",
+                    body={"reason": skipped},
+                )
+                if ok:
+                    conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(result=result))
+            else:
+                ok = store.succeed_with_event(conn, job["id"], int(job["attempts"]), result, spec.name)
+            if not ok:
+                raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
+            store.emit(conn, ctx.events)
+            continuation = self.continuations.take_over(conn, task.request, job, result)
+            conn.commit()
+        except BaseException:
+            conn.rollback()
+            raise
+        finally:
+            if own:
+                conn.close()
+        self.metrics.inc("succeeded", spec.name)
+        self._after_commit(task, job, result, continuation)
+
+    def _after_commit(self, task: Task, job: Row, result: Any, continuation: list[NewJob]) -> None:
+        self.flow.publish_continuations(continuation)
+        try:
+            self.flow.finished(job["id"], s.SUCCEEDED, dedup_key=job["dedup_key"])
+            origin = job["origin_task_id"]
+            if origin and origin != task.request.id:
+                # Callers holding the first AsyncResult (chains do) still see the outcome.
+                task.backend.store_result(origin, result, "SUCCESS")
+        except Exception:
+            log.warning("post-commit notification failed for %s", job["id"], exc_info=True)
+
+    # -- failure ------------------------------------------------------------------------
+
+    def fail(
+        self, task: Task, spec: StageSpec, job: Row, attempt: int, exc: BaseException
+    ) -> tuple[Any] | None:
+        """Retry with backoff, or dead-letter: decided by the error class and the budget.
+
+        A stage with ``on_dead`` is dead-lettered *and* carries on: the hook's result goes
+        down the flow (returned here as a 1-tuple), so a chord never waits on a dead member.
+        A failure of an attempt that no longer owns the job (fenced off) writes nothing.
+        """
+        store = self.store
+        carried: tuple[Any] | None = None
+        continuation: list[NewJob] = []
+        permanent = is_permanent(exc)
+        timed_out = isinstance(exc, SoftTimeLimitExceeded)
+        if timed_out and not spec.retry_on_timeout:
+            permanent = True
+        counted = counted_attempts(job)
+        exhausted = counted >= int(job["max_attempts"])
+        try:
+            with self.connections.engine.begin() as conn:
+                if permanent or exhausted:
+                    message = _readable(
+                        exc, spec, counted, int(job["max_attempts"]), exhausted and not permanent
+                    )
+                    if not store.dead_letter(
+                        conn,
+                        job,
+                        error_type=type(exc).__name__,
+                        message=message,
+                        tb_text=format_traceback(exc),
+                        attempt=attempt,
+                    ):
+                        raise LeaseLost(f"job {job['id']} attempt {attempt} was taken over")
+                    carried = self.flow.carry_on(conn, job, exc)
+                    if carried is not None:
+                        continuation = self.continuations.take_over(conn, task.request, job, carried[0])
+                    status = s.DEAD
+                else:
+                    settings = self.connections.settings
+                    delay = spec.retry.delay(
+                        counted, default_base=settings.backoff_base, default_cap=settings.backoff_cap
+                    )
+                    if not store.schedule_retry(conn, job, attempt, delay, exc):
+                        raise LeaseLost(f"job {job['id']} attempt {attempt} was taken over")
+                    body = {
+                        "stage": spec.name,
+                        "attempt": counted,
+                        "delay": round(delay, 3),
+                        "error_type": type(exc).__name__,
+                    }
+                    store.emit(conn, [new_event(job["id"], "job.retrying", body)])
+                    status = s.RETRYING
+        except LeaseLost:
+            # The compare-and-set was refused: a newer attempt owns the job. Nothing of
+            # this failure was written (no event, no metric); the message is done with.
+            log.info("failure of job %s attempt %s ignored: fenced off", job["id"], attempt)
+            raise Ignore() from None
+        except Exception as db_exc:
+            if not is_connection_loss(db_exc):
+                raise
+            log.warning("could not record failure of %s; requeueing it uncounted", job["id"])
+            self.heartbeat.requeue_uncounted(job["id"], attempt, lease_owner(), "infrastructure")
+            raise Reject(exc, requeue=True) from None
+        if status == s.DEAD:
+            self.metrics.inc("dead", spec.name)
+            self.flow.publish_continuations(continuation)
+            self.flow.finished(job["id"], s.DEAD, dedup_key=job["dedup_key"])
+            return carried
+        else:
+            self.metrics.inc("retried", spec.name)
+            # The relay republishes when due; Celery must not retry or store a failure.
+            raise Ignore()
+
+    def record_hard_timeout(self, spec: StageSpec, task_id: str, exc: BaseException) -> None:
+        """Called in the worker's main process after it killed the child at the hard limit."""
+        store = self.store
+        try:
+            with self.connections.engine.begin() as conn:
+                row = (
+                    conn.execute(
+                        jobs.select().where(jobs.c.celery_task_id == task_id, jobs.c.status == s.RUNNING)
+                    )
+                    .mappings()
+                    .one_or_none()
+                )
+                if row is None:
+                    return
+                attempt = int(row["attempts"])
+                if spec.retry_on_timeout and counted_attempts(row) < int(row["max_attempts"]):
+                    settings = self.connections.settings
+                    delay = spec.retry.delay(
+                        counted_attempts(row),
+                        default_base=settings.backoff_base,
+                        default_cap=settings.backoff_cap,
+                    )
+                    store.schedule_retry(conn, row, attempt, delay, exc)
+                    return
+                burial = self.flow.bury(
+                    conn,
+                    row,
+                    error=exc,
+                    message=f"{spec.name} exceeded its hard time limit ({exc}) and was killed",
+                    attempt=attempt,
+                )
+            self.flow.after_burial(burial)
+        except Exception:
+            log.warning(
+                "could not record hard timeout of task %s; the reconciler will", task_id, exc_info=True
+            )
+
+
+def _readable(exc: BaseException, spec: StageSpec, attempt: int, max_attempts: int, exhausted: bool) -> str:
+    text = describe(exc)
+    if isinstance(exc, SoftTimeLimitExceeded):
+        text = f"{spec.name} exceeded its soft time limit"
+    if exhausted:
+        return f"gave up after {attempt} of {max_attempts} attempts: {text}"[:2000]
+    return text[:2000]
+
+
+__all__ = ["Completion"]

@@ -1,0 +1,114 @@
+"""This process's connections to the services: the engine, Redis and the broker.
+
+Each is created lazily and belongs to one process: after a fork (a pool child) they are
+created again, never shared. Both sides use them, callers and workers alike; the settings
+live here too, so :meth:`Connections.bind` changes them for every component at once.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from celery import Celery
+from kombu.entity import Queue
+from redis import Redis
+from sqlalchemy import Connection, Engine
+
+from conveyor.broker import Broker
+from conveyor.celeryconfig import PLACEHOLDER_BROKER
+from conveyor.db.dialect import is_sqlite
+from conveyor.db.engine import make_engine
+from conveyor.errors import NotRunning
+from conveyor.fastpath import FastPath
+from conveyor.settings import ConveyorSettings
+
+
+class Connections:
+    """The engine, Redis client and broker of one Celery app, per process."""
+
+    def __init__(self, app: Celery, settings: ConveyorSettings, queues: Sequence[Queue]) -> None:
+        self.app = app
+        self.settings = settings
+        self.queues = list(queues)
+        self._engine: Engine | None = None
+        self._redis: Redis | None = None
+        self._broker: Broker | None = None
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        # Redis on the submit path: short timeouts and a breaker (submit needs Postgres only).
+        self.fast = FastPath(
+            lambda: self.settings.redis_url,
+            timeout=settings.submit_redis_timeout,
+            cooldown=settings.submit_redis_cooldown,
+        )
+
+    def bind(self, *, redis_url: str, database_url: str) -> None:
+        """Point the connections (and the Celery app) at concrete services."""
+        self.settings = self.settings.with_urls(redis_url, database_url)
+        self.app.conf.update(broker_url=redis_url, result_backend=redis_url)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget connections (after fork, or after :meth:`bind`)."""
+        if self._engine is not None:
+            self._engine.dispose(close=os.getpid() == self._pid)
+        self._engine = None
+        self._redis = None
+        self._broker = None
+        self.fast.reset()
+        self._pid = os.getpid()
+
+    def _check_pid(self) -> None:
+        if os.getpid() != self._pid:
+            self.reset()
+
+    @property
+    def engine(self) -> Engine:
+        """This process's SQLAlchemy engine (bounded pool)."""
+        self._check_pid()
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    url = self.settings.database_url
+                    if not url:
+                        raise NotRunning(
+                            "no database configured: run `conveyor up` or set CONVEYOR_DATABASE_URL"
+                        )
+                    self._engine = make_engine(url, pool_size=self.settings.db_pool_size)
+        return self._engine
+
+    @contextmanager
+    def autocommit(self) -> Iterator[Connection]:
+        """A connection for single-statement writes: autocommit on Postgres (one round
+        trip); on SQLite an ordinary transaction (its writers must BEGIN IMMEDIATE)."""
+        if is_sqlite(self.engine):
+            with self.engine.begin() as conn:
+                yield conn
+            return
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            yield conn
+
+    @property
+    def redis(self) -> Redis:
+        """This process's Redis client (for Conveyor's own keys)."""
+        self._check_pid()
+        if self._redis is None:
+            url = self.settings.redis_url
+            if not url or url == PLACEHOLDER_BROKER:
+                raise NotRunning("no Redis configured: run `conveyor up` or set CONVEYOR_REDIS_URL")
+            self._redis = Redis.from_url(url, health_check_interval=30, socket_timeout=30)
+        return self._redis
+
+    @property
+    def broker(self) -> Broker:
+        """Publisher and epoch keeper."""
+        self._check_pid()
+        if self._broker is None:
+            self._broker = Broker(self.app, self.redis, self.queues, self.settings.key_prefix, fast=self.fast)
+        return self._broker
+
+
+__all__ = ["Connections"]

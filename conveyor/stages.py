@@ -1,0 +1,100 @@
+"""The stages declared on one Celery app, by name, and the policy each declaration resolves."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection
+from typing import Any
+
+from celery import Celery, Task
+from pydantic import BaseModel
+
+from conveyor.connections import Connections
+from conveyor.errors import ConfigurationError
+from conveyor.retry import Backoff, RetryPolicy
+from conveyor.stage import StageFn, StageSpec
+
+STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*){2,}$")
+
+
+class Stages(dict[str, StageSpec]):
+    """Every declared stage's :class:`StageSpec`, by name."""
+
+    def __init__(
+        self, app: Celery, connections: Connections, *, queue_names: Collection[str], default_queue: str
+    ) -> None:
+        super().__init__()
+        self._app = app
+        self._connections = connections
+        self._queue_names = queue_names
+        self._default_queue = default_queue
+
+    def declare(
+        self,
+        name: str,
+        *,
+        payload: type[BaseModel],
+        queue: str | None,
+        max_attempts: int | None,
+        retry: RetryPolicy | None,
+        time_limit: float | None,
+        soft_time_limit: float | None,
+        concurrency: int | None,
+        **policy: Any,
+    ) -> Callable[[StageFn], StageSpec]:
+        """Check a declaration now and resolve its policy (deployment overrides from
+        ``CONVEYOR_STAGES`` win); returns what registers the spec of its body.
+
+        ``policy`` is the rest of :class:`StageSpec`'s fields, taken as declared.
+        """
+        settings = self._connections.settings
+        if not STAGE_NAME.match(name):
+            raise ConfigurationError(f"stage name {name!r} must look like 'conveyor.<family>.<verb>'")
+        queue = queue or self._default_queue
+        if queue not in self._queue_names:
+            raise ConfigurationError(f"stage {name}: queue {queue!r} is not declared in config")
+        override = settings.stage_override(name)
+        hard = override.time_limit or time_limit or settings.default_time_limit
+        # The soft limit must fire before the hard one, whatever was declared.
+        declared_soft = override.soft_time_limit or soft_time_limit or settings.default_soft_time_limit
+        soft = min(declared_soft, hard * 0.9)
+        if hard >= settings.visibility_timeout:
+            raise ConfigurationError(
+                f"stage {name}: hard time limit {hard}s must be below the visibility timeout "
+                f"{settings.visibility_timeout}s"
+            )
+        attempts = override.max_attempts or max_attempts or settings.default_max_attempts
+
+        def register(fn: StageFn) -> StageSpec:
+            spec = StageSpec(
+                name=name,
+                fn=fn,
+                payload=payload,
+                queue=queue,
+                max_attempts=attempts,
+                retry=retry or Backoff(),
+                time_limit=hard,
+                soft_time_limit=soft,
+                concurrency=override.concurrency or concurrency,
+                **policy,
+            )
+            self[name] = spec
+            return spec
+
+        return register
+
+    def spec(self, stage: str | Task | StageSpec) -> StageSpec:
+        """Resolve a stage by name, task or spec."""
+        if isinstance(stage, StageSpec):
+            return stage
+        name = stage if isinstance(stage, str) else stage.name
+        if name not in self:
+            # Callers (web apps, the CLI) may not have imported the stage modules yet.
+            self._app.loader.import_default_modules()
+        try:
+            return self[name]
+        except KeyError:
+            raise ConfigurationError(f"unknown stage {name!r}") from None
+
+
+__all__ = ["STAGE_NAME", "Stages"]

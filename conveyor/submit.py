@@ -1,0 +1,334 @@
+"""Submitting jobs: ``submit()``, ``delay()``/``apply_async()``/canvases, and the caller's
+transaction.
+
+A submit validates the payload against its stage's model, records the job (deduplicated,
+:mod:`conveyor.recorder`) in the caller's transaction when given one, else in its own,
+and publishes it once that committed. A duplicate never raises: it returns the holder's
+handle.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Literal
+
+from celery import Task
+from kombu.entity import Queue
+from pydantic import BaseModel
+from sqlalchemy import Connection, update
+from sqlalchemy import event as sa_event
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.orm import Session
+
+from conveyor.connections import Connections
+from conveyor.db import schema as s
+from conveyor.db.dialect import is_sqlite
+from conveyor.db.schema import jobs
+from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
+from conveyor.errors import ConfigurationError, SubmitFailed, describe, is_connection_loss
+from conveyor.followers import Settles, has_flow
+from conveyor.handle import JobHandle
+from conveyor.metrics import Metrics
+from conveyor.recorder import Recorder
+from conveyor.stage import StageSpec, payload_from_call, signature_options
+from conveyor.stages import Stages
+from conveyor.stops import Stops
+from conveyor.store import JobStore, NewJob
+
+log = logging.getLogger("conveyor.submit")
+
+PENDING_KEY = "conveyor_pending_publish"
+
+
+class Submitter:
+    """Records jobs for callers and publishes them after commit."""
+
+    def __init__(
+        self,
+        connections: Connections,
+        *,
+        stages: Stages,
+        store: JobStore,
+        recorder: Recorder,
+        deduper: Deduplicator,
+        stops: Stops,
+        settle: Settles,
+        metrics: Metrics,
+    ) -> None:
+        self.connections = connections
+        self.stages = stages
+        self.store = store
+        self.recorder = recorder
+        self.deduper = deduper
+        self.stops = stops
+        self.settle = settle
+        self.metrics = metrics
+        self._local = threading.local()
+
+    def handle(self, job_id: str, *, deduplicated: bool = False, task_id: str | None = None) -> JobHandle:
+        """A handle on job ``job_id``."""
+        return JobHandle(
+            job_id,
+            connections=self.connections,
+            store=self.store,
+            cancel=self.stops.cancel,
+            deduplicated=deduplicated,
+            task_id=task_id,
+        )
+
+    def submit(
+        self,
+        stage: str | Task | StageSpec,
+        payload: BaseModel | Mapping[str, Any] | None = None,
+        *,
+        session: Session | None = None,
+        idempotency_key: str | None = None,
+        delay: float = 0.0,
+        run_at: dt.datetime | None = None,
+        expires_in: float | None = None,
+        priority: int | None = None,
+        label: str | None = None,
+        max_attempts: int | None = None,
+        dedup: Dedup | Literal[False] | None = None,
+        reuse: Reuse = "never",
+    ) -> JobHandle:
+        """Record a job and publish it after commit. Returns a :class:`JobHandle`.
+
+        With ``session`` the job joins the caller's transaction: it is published only
+        if and when that transaction commits. An ``idempotency_key`` seen before returns
+        the existing job (any state) with ``deduplicated=True``. ``dedup`` overrides the
+        stage's declared policy (``False`` turns it off); ``reuse`` applies to
+        deterministic ids. A duplicate never raises: it returns the holder's handle.
+        """
+        spec = self.stages.spec(stage)
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
+        model = spec.validate(data)
+        new = NewJob(
+            stage=spec.name,
+            queue=spec.queue,
+            payload=self.recorder.payload_of(spec, model),
+            max_attempts=max_attempts or spec.max_attempts,
+            priority=spec.priority if priority is None else priority,
+            label=label or spec.label_for(model),
+            idempotency_key=idempotency_key,
+            delay=max(0.0, delay),
+            expires_in=expires_in,
+            run_at=_utc(run_at),
+        )
+        new.origin_task_id = new.id
+        plan = self.recorder.dedup_plan(spec, model, dedup, reuse)
+        return self._enqueue(new, session=session, plan=plan)
+
+    def submit_call(
+        self,
+        spec: StageSpec,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        task_id: str | None,
+        link: Any,
+        link_error: Any,
+        options: Mapping[str, Any],
+    ) -> JobHandle:
+        """``apply_async``/``delay``/canvas path: same validation and row as :meth:`submit`."""
+        if spec.preemptable and (options.get("chord") or options.get("group_id")):
+            # A preempted member would be requeued outside its group's counter.
+            raise ConfigurationError(
+                f"stage {spec.name} is preemptable and cannot be a chord or group member"
+            )
+        model = spec.validate(payload_from_call(args, kwargs))
+        # Relative times count on the database's clock; absolute ones are stored as given.
+        delay = float(options.get("countdown") or 0.0)
+        eta = options.get("eta")
+        expires = options.get("expires")
+        expires_in = float(expires) if isinstance(expires, (int, float)) else None
+        stored = signature_options(options, link=link, link_error=link_error)
+        job_id = task_id or str(uuid.uuid4())
+        new = NewJob(
+            id=job_id,
+            stage=spec.name,
+            queue=options.get("queue") or spec.queue,
+            payload=self.recorder.payload_of(spec, model),
+            max_attempts=spec.max_attempts,
+            priority=spec.priority,
+            label=spec.label_for(model),
+            delay=max(0.0, delay),
+            expires_in=expires_in,
+            run_at=_utc(eta),
+            expires_at=_utc(expires) if not isinstance(expires, (int, float)) else None,
+            options=stored,
+            origin_task_id=job_id,
+            parent_id=options.get("parent_id") or None,
+        )
+        if isinstance(new.queue, Queue):
+            new.queue = new.queue.name
+        new.follow = has_flow(stored) or task_id is not None
+        session = getattr(self._local, "session", None)
+        plan = self.recorder.dedup_plan(spec, model, None, "never")
+        return self._enqueue(new, session=session, plan=plan)
+
+    @contextmanager
+    def enlisted(self, session: Session) -> Iterator[Session]:
+        """Make ``delay()``/``apply_async()``/canvases inside the block join ``session``:
+        their jobs commit with the caller's own changes and are published after commit."""
+        previous = getattr(self._local, "session", None)
+        self._local.session = session
+        try:
+            yield session
+        finally:
+            self._local.session = previous
+
+    def _enqueue(self, new: NewJob, *, session: Session | None, plan: DedupPlan | None = None) -> JobHandle:
+        """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
+        connections, recorder, fast = self.connections, self.recorder, self.connections.fast
+        now = 0.0
+        if plan is not None:
+            cached = None
+            if plan.fast_path and not new.follow:
+                cached = fast.attempt(lambda r: self.deduper.cached(plan.scope, plan.key, new.stage, r))
+            if cached is not None:
+                hit, now = cached
+                if hit is not None:
+                    self.metrics.inc("deduplicated", new.stage)
+                    handle = self.handle(hit, deduplicated=True)
+                    handle.dedup_at = now
+                    return handle
+            else:
+                try:
+                    now = recorder.dedup_clock()
+                except (DBAPIError, PoolTimeout) as exc:
+                    raise _submit_failed(new.stage, exc) from exc
+            new.dedup_key = plan.dedup_id
+            if plan.dedup.mode == "debounce":
+                new.delay = max(new.delay, float(plan.dedup.window or 0))
+        # Redis away: the job is inserted unpublished and the relay publishes it later.
+        epoch = connections.broker.submit_epoch() if new.due_now else None
+        try:
+            if session is not None:
+                job_id, created = recorder.record(session.connection(), new, plan, now, epoch)
+            elif plan is None and not is_sqlite(connections.engine):
+                # The common submit is one statement (job row + outbox event): no transaction.
+                with connections.autocommit() as ac:
+                    job_id, created = recorder.record(ac, new, None, now, epoch)
+            else:
+                with connections.engine.begin() as conn:
+                    job_id, created = recorder.record(conn, new, plan, now, epoch)
+        except (DBAPIError, PoolTimeout) as exc:
+            if session is not None and not is_connection_loss(exc):
+                raise  # the caller's transaction: its own error, for it to handle
+            raise _submit_failed(new.stage, exc) from exc
+
+        spec = self.stages.get(new.stage)
+
+        def after_commit() -> None:
+            if created and new.status == s.WAITING_DEDUP:
+                assert new.follows is not None
+                self.settle.resolve(new.follows)  # the holder may have ended already
+                return
+            if created and plan is not None and plan.dedup.mode != "debounce":
+                # The cache is only a fast path; Postgres stays right without it.
+                fast.attempt(
+                    lambda r: self.deduper.cache(
+                        plan.scope, plan.key, new.id, plan.dedup.mode, plan.expires_ms(now), now, r
+                    )
+                )
+            if created and spec is not None and spec.lease_key and not fast.down:
+                # Before the publish: the holder starts yielding while the message travels.
+                try:
+                    self.stops.preempt_holder(new.id, spec, new.payload)
+                except Exception:  # the claim asks again
+                    log.warning("submit-time preemption request for %s failed", new.id, exc_info=True)
+            if created and new.due_now and epoch is not None:
+                recorder.publish_new(new, fast=True)
+
+        if session is None:
+            after_commit()
+        else:
+            _after_commit(session, after_commit, new.id)
+        following = created and new.status == s.WAITING_DEDUP
+        handle = self.handle(
+            job_id,
+            deduplicated=following or not created,
+            task_id=new.origin_task_id if created else None,
+        )
+        handle.dedup_seq = new.dedup_seq
+        handle.dedup_at = now if plan is not None else None
+        return handle
+
+
+def _submit_failed(stage: str, exc: BaseException) -> SubmitFailed:
+    return SubmitFailed(
+        f"could not record a {stage} job: {describe(exc)}; if the connection died while "
+        "committing it may have been recorded: retry with the same idempotency_key"
+    )
+
+
+def _utc(value: Any) -> dt.datetime | None:
+    """An absolute time as an aware UTC datetime (naive ones are taken as UTC)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value)
+    if not isinstance(value, dt.datetime):
+        raise TypeError(f"expected a datetime, got {type(value).__name__}")
+    return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).astimezone(dt.UTC)
+
+
+def _after_commit(session: Session, fn: Callable[[], None], job_id: str) -> None:
+    """Run ``fn`` once ``session``'s outermost transaction commits.
+
+    Dropped if the transaction it was registered in rolls back, or any savepoint around
+    it does; a savepoint rolled back *beside* it (before or after) leaves it alone.
+    """
+    pending: list[tuple[Any, Callable[[], None], str]] = session.info.setdefault(PENDING_KEY, [])
+    if not session.info.get(PENDING_KEY + "_hooked"):
+        session.info[PENDING_KEY + "_hooked"] = True
+
+        def on_commit(sess: Session) -> None:
+            if sess.get_nested_transaction() is not None:
+                return  # a savepoint was released: its work commits (or not) with the outer one
+            todo = sess.info.get(PENDING_KEY) or []
+            sess.info[PENDING_KEY] = []
+            bind = sess.bind
+            if isinstance(bind, Connection) and bind.in_transaction():
+                # The session joined a transaction it does not own (a test fixture's, a
+                # framework's): its commit only released a savepoint, and Core has no
+                # after-commit hook. Leave the jobs to the relay, inside that transaction:
+                # published within a relay interval if it commits, never if it rolls back.
+                ids = [job_id for _, _, job_id in todo]
+                bind.execute(
+                    update(jobs)
+                    .where(jobs.c.id.in_(ids), jobs.c.status == s.QUEUED)
+                    .values(published_at=None, broker_epoch=None)
+                )
+                return
+            for _, f, _ in todo:
+                f()
+
+        def on_rollback(sess: Session, ended: Any) -> None:
+            sess.info[PENDING_KEY] = [
+                entry for entry in sess.info.get(PENDING_KEY) or [] if not _within(entry[0], ended)
+            ]
+
+        sa_event.listen(session, "after_commit", on_commit)
+        sa_event.listen(session, "after_soft_rollback", on_rollback)
+    current = session.get_nested_transaction() or session.get_transaction()
+    pending.append((current, fn, job_id))
+
+
+def _within(tx: Any, ancestor: Any) -> bool:
+    """Whether session transaction ``tx`` is ``ancestor`` or nested inside it."""
+    while tx is not None:
+        if tx is ancestor:
+            return True
+        tx = tx.parent
+    return False
+
+
+__all__ = ["PENDING_KEY", "Submitter"]

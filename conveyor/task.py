@@ -1,0 +1,85 @@
+"""The Celery task class of every stage: the claim/complete lifecycle wraps the body."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from billiard.exceptions import TimeLimitExceeded
+from celery import Task
+from celery.worker import state as worker_state
+from celery.worker.request import Request
+
+from conveyor.completion import Completion
+from conveyor.runner import Runner
+from conveyor.stage import StageSpec
+from conveyor.submit import Submitter
+
+
+class StageRequest(Request):  # type: ignore[misc]
+    """A stage's delivery in the worker's main process: records a hard time limit.
+
+    The pool kills the child at the hard limit with SIGTERM, which the child's body sees
+    as a worker-ended job (``is_stopped_by_worker``) and requeues uncounted unless the job
+    is already recorded. So the main process records it *before* the kill: billiard runs
+    this timeout callback first, then terminates the child. Celery 5.7 also calls
+    ``Task.on_failure`` from here, 5.6 does not, so Conveyor relies on neither.
+    """
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        task = self.task
+        if not soft and not worker_state.should_terminate and isinstance(task, StageTask):
+            task.completion.record_hard_timeout(task.spec, self.id, TimeLimitExceeded(timeout))
+        super().on_timeout(soft, timeout)
+
+
+class StageTask(Task):  # type: ignore[misc]
+    """Base class of every stage: the claim/complete lifecycle wraps the body.
+
+    ``apply_async`` records the job in the database before anything is published, so
+    ``delay()``, canvases and ``submit()`` all take the same path. Messages that still
+    arrive without a job row (``send_task`` from an app that never imported the stage)
+    are adopted at claim time.
+    """
+
+    spec: ClassVar[StageSpec]
+    runner: ClassVar[Runner]
+    submitter: ClassVar[Submitter]
+    completion: ClassVar[Completion]
+    typing = False
+    Request = StageRequest
+    acks_late = True
+    reject_on_worker_lost = True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.request.called_directly:
+            return self.runner.run_inline(self.spec, args, kwargs)
+        return self.runner.execute(self, args, kwargs)
+
+    def apply_async(
+        self,
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Submit through the platform; countdown/eta become ``run_at`` in the database."""
+        handle = self.submitter.submit_call(
+            self.spec,
+            tuple(args or ()),
+            dict(kwargs or {}),
+            task_id=task_id,
+            link=link,
+            link_error=link_error,
+            options=options,
+        )
+        result = self.AsyncResult(handle.task_id or handle.id)
+        result.job = handle
+        return result
+
+
+
+__all__ = ["StageTask"]
