@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
-from kombu.entity import Queue
+from kombu.entity import Exchange, Queue
 from kombu.exceptions import ChannelError
 from redis import Redis
 
@@ -38,6 +38,7 @@ class Broker:
         key_prefix: str,
         *,
         fast: FastPath | None = None,
+        direct: bool = False,
     ) -> None:
         self.app = app
         self.redis = redis
@@ -45,6 +46,10 @@ class Broker:
         self.epoch_key = f"{key_prefix}epoch"
         self.key_prefix = key_prefix
         self.fast = fast
+        # A client that knows no queue declarations publishes straight into each queue's
+        # list (the default exchange), never creates the epoch, and leaves a job it cannot
+        # place to the relay, which knows every queue.
+        self.direct = direct
         self._epoch: str | None = None
         self._epoch_read = 0.0
         self._lock = threading.Lock()
@@ -59,8 +64,10 @@ class Broker:
         if self.fast is None:
             return self.epoch(max_age=max_age)
 
-        def read(client: Redis) -> str:
+        def read(client: Redis) -> str | None:
             value = client.get(self.epoch_key)
+            if value is None and self.direct:
+                return None  # the relay declares and creates it
             if value is None:
                 self.declare_all(fast=True)
                 client.set(self.epoch_key, secrets.token_hex(8), nx=True)
@@ -159,9 +166,16 @@ class Broker:
         task_id = task_id or str(uuid.uuid4())
         app = self.app
         amqp = app.amqp
-        routed = amqp.router.route(
-            {"queue": queue, "headers": {JOB_HEADER: job_id}}, stage, (), dict(payload)
-        )
+        if self.direct:
+            routed = {
+                "queue": Queue(queue, Exchange(""), routing_key=queue),  # type: ignore[no-untyped-call]
+                "declare": [],
+                "headers": {JOB_HEADER: job_id},
+            }
+        else:
+            routed = amqp.router.route(
+                {"queue": queue, "headers": {JOB_HEADER: job_id}}, stage, (), dict(payload)
+            )
         message = amqp.create_task_message(
             task_id,
             stage,

@@ -29,8 +29,11 @@ from conveyor.settings import ConveyorSettings
 class Connections:
     """The engine, Redis client and broker of one Celery app, per process."""
 
-    def __init__(self, app: Celery, settings: ConveyorSettings, queues: Sequence[Queue]) -> None:
+    def __init__(
+        self, app: Celery, settings: ConveyorSettings, queues: Sequence[Queue], *, direct: bool = False
+    ) -> None:
         self.app = app
+        self.direct = direct  # a client's: see Broker
         self.settings = settings
         self.queues = list(queues)
         self._engine: Engine | None = None
@@ -107,7 +110,14 @@ class Connections:
         """Publisher and epoch keeper."""
         self._check_pid()
         if self._broker is None:
-            self._broker = Broker(self.app, self.redis, self.queues, self.settings.key_prefix, fast=self.fast)
+            self._broker = Broker(
+                self.app,
+                self.redis,
+                self.queues,
+                self.settings.key_prefix,
+                fast=self.fast,
+                direct=self.direct,
+            )
         return self._broker
 
 

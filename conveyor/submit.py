@@ -119,11 +119,11 @@ class Submitter:
             idempotency_key=idempotency_key,
             delay=max(0.0, delay),
             expires_in=expires_in,
-            run_at=_utc(run_at),
+            run_at=utc_or_none(run_at),
         )
         new.origin_task_id = new.id
         plan = self.recorder.dedup_plan(spec, model, dedup, reuse)
-        return self._enqueue(new, session=session, plan=plan)
+        return self.enqueue(new, session=session, plan=plan)
 
     def submit_call(
         self,
@@ -160,8 +160,8 @@ class Submitter:
             label=spec.label_for(model),
             delay=max(0.0, delay),
             expires_in=expires_in,
-            run_at=_utc(eta),
-            expires_at=_utc(expires) if not isinstance(expires, (int, float)) else None,
+            run_at=utc_or_none(eta),
+            expires_at=utc_or_none(expires) if not isinstance(expires, (int, float)) else None,
             options=stored,
             origin_task_id=job_id,
             parent_id=options.get("parent_id") or None,
@@ -171,7 +171,7 @@ class Submitter:
         new.follow = has_flow(stored) or task_id is not None
         session = getattr(self._local, "session", None)
         plan = self.recorder.dedup_plan(spec, model, None, "never")
-        return self._enqueue(new, session=session, plan=plan)
+        return self.enqueue(new, session=session, plan=plan)
 
     @contextmanager
     def enlisted(self, session: Session) -> Iterator[Session]:
@@ -184,7 +184,7 @@ class Submitter:
         finally:
             self._local.session = previous
 
-    def _enqueue(self, new: NewJob, *, session: Session | None, plan: DedupPlan | None = None) -> JobHandle:
+    def enqueue(self, new: NewJob, *, session: Session | None, plan: DedupPlan | None = None) -> JobHandle:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
         connections, recorder, fast = self.connections, self.recorder, self.connections.fast
         now = 0.0
@@ -269,7 +269,7 @@ def _submit_failed(stage: str, exc: BaseException) -> SubmitFailed:
     )
 
 
-def _utc(value: Any) -> dt.datetime | None:
+def utc_or_none(value: Any) -> dt.datetime | None:
     """An absolute time as an aware UTC datetime (naive ones are taken as UTC)."""
     if value is None:
         return None

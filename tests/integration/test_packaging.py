@@ -12,6 +12,7 @@ import sys
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -177,3 +178,53 @@ def test_the_cli_outside_the_deployment_says_where_it_looked(tmp_path: Path) -> 
     )
     assert done.returncode == 0, (done.stdout, done.stderr)
     assert "up to date" in done.stdout
+
+
+CLIENT_SCRIPT = """
+import sys
+import conveyor
+
+client = conveyor.connect(database_url=sys.argv[1], redis_url=sys.argv[2])
+job = client.submit("conveyor.demo.square", {"n": 12})
+print(job.wait(60), job.result["n"])
+try:
+    client.submit("conveyor.demo.sqaure", {"n": 1})
+except conveyor.UnknownStage as exc:
+    print("refused:", exc)
+worker_side = {"conveyor.platform", "conveyor.runner", "conveyor.heartbeat", "conveyor.worker",
+               "conveyor.relay"}
+print("loaded:", sorted(m for m in sys.modules if m in worker_side or m.split(".")[0] in {"config", "tasks"}))
+"""
+
+
+def test_a_client_only_install_submits_by_name(
+    wheel: Path, tmp_path: Path, platform: Any, worker: Any
+) -> None:
+    """The README's first step for an app: a fresh venv with only Conveyor (no extra, no
+    stage code) submits to the running deployment by name and reads the result."""
+    from conveyor import registry
+
+    registry.write(platform.engine, platform.stages.values())
+    venv = tmp_path / "app-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_") and k != "PYTHONPATH"}
+    settings = platform.settings
+    done = subprocess.run(
+        [str(python), "-c", CLIENT_SCRIPT, settings.database_url, settings.redis_url],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "succeeded 144"
+    assert lines[1].startswith("refused:") and "conveyor.demo.square" in lines[1]
+    assert lines[2] == "loaded: []", lines[2]

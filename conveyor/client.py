@@ -1,0 +1,258 @@
+"""Calling Conveyor from an app that has no stage code: submit by stage name, follow, cancel,
+and read the dead-letter queue, with only ``conveyor`` installed.
+
+The client reads what each stage accepts from the stage registry (``conveyor db upgrade``
+writes it, every worker refreshes it at start), validates a payload against its JSON
+Schema, and records the job exactly as the deployment's own platform does: in the
+caller's transaction if given one, published after commit, deduplicated by Postgres.
+The worker's validation stays authoritative: a rule the schema cannot say (one field
+against another) is checked when the job runs, and a refused payload is dead-lettered
+with the reason.
+
+::
+
+    import conveyor
+
+    client = conveyor.connect()                    # CONVEYOR_DATABASE_URL, CONVEYOR_REDIS_URL
+    job = client.submit("conveyor.demo.square", {"n": 7}, idempotency_key="order-42")
+    job.wait(timeout=30)
+    job.result                                     # {"n": 49}
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from celery import Celery
+from pydantic import BaseModel
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.orm import Session
+
+from conveyor import registry
+from conveyor.celeryconfig import celery_config
+from conveyor.connections import Connections
+from conveyor.dedup import Deduplicator, DedupPlan, Reuse
+from conveyor.dlq import DeadLetterPage, DeadLetterQueue
+from conveyor.errors import PayloadTooLarge, UnknownStage
+from conveyor.followers import Followers
+from conveyor.handle import JobHandle
+from conveyor.metrics import Metrics
+from conveyor.recorder import Recorder
+from conveyor.registry import RegisteredStage
+from conveyor.settings import ConveyorSettings
+from conveyor.stages import Stages
+from conveyor.stops import Stops
+from conveyor.store import JobStore, NewJob
+from conveyor.submit import Submitter, utc_or_none
+
+
+class _Settles:
+    """What a client does once a job it cancelled ended: wake its waiters. Followers
+    (canvas duplicates) are never a client's; the workers' reconciler settles them."""
+
+    def __init__(self, connections: Connections, deduper: Deduplicator) -> None:
+        self.connections = connections
+        self.deduper = deduper
+
+    def finished(self, job_id: str, status: str, *, dedup_key: str | None = None) -> None:
+        self.connections.fast.attempt(
+            lambda r: r.publish(self.connections.broker.wake_channel(job_id), status)
+        )
+        if dedup_key:
+            self.connections.fast.attempt(lambda r: self.deduper.release(job_id))
+
+    def resolve(self, holder: str) -> int:
+        return 0
+
+
+class DeadLetters:
+    """The dead-letter queue, read-only: a retry runs the stage's ``on_retry`` hook, which
+    lives in the deployment (``conveyor dlq retry``, or its platform's ``dlq``)."""
+
+    def __init__(self, queue: DeadLetterQueue) -> None:
+        self._queue = queue
+
+    def list(
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        page: int = 1,
+        per_page: int = 50,
+        include_retried: bool = False,
+        since: dt.datetime | None = None,
+    ) -> DeadLetterPage:
+        """Open entries, newest first, each with its job's label."""
+        return self._queue.list(
+            stage=stage,
+            queue=queue,
+            page=page,
+            per_page=per_page,
+            include_retried=include_retried,
+            since=since,
+        )
+
+    def show(self, entry_id: int) -> RowMapping | None:
+        """One entry, with its traceback and headers."""
+        return self._queue.show(entry_id)
+
+
+class Client:
+    """Submits jobs by stage name and follows them; needs no stage code.
+
+    Settings come from the environment (``CONVEYOR_DATABASE_URL``, ``CONVEYOR_REDIS_URL``,
+    ...) unless given. Only Postgres (or the deployment's SQLite) is needed to submit:
+    with Redis away a job is recorded and the workers' relay publishes it later.
+    Thread-safe; make one per process and share it.
+    """
+
+    def __init__(
+        self,
+        settings: ConveyorSettings | None = None,
+        *,
+        database_url: str | None = None,
+        redis_url: str | None = None,
+        registry_ttl: float = 30.0,
+    ) -> None:
+        base = settings or ConveyorSettings()
+        urls = {"database_url": database_url, "redis_url": redis_url}
+        self.settings = base.model_copy(update={k: v for k, v in urls.items() if v})
+        self.app = Celery("conveyor-client", set_as_current=False)
+        self.app.config_from_object(celery_config(self.settings, queues=[]))
+        self.connections = conns = Connections(self.app, self.settings, [], direct=True)
+        self.store = store = JobStore(
+            lease_timeout=self.settings.lease_timeout,
+            max_requeues=self.settings.max_requeues,
+            detect_local_dead_owners=False,
+        )
+        deduper = Deduplicator(self.settings, lambda: conns.redis)
+        metrics = Metrics(self.settings)
+        self._recorder = recorder = Recorder(
+            conns, store=store, deduper=deduper, followers=Followers(store), metrics=metrics
+        )
+        settles = _Settles(conns, deduper)
+        self._stops = Stops(conns, store=store, settle=settles)
+        stages = Stages(self.app, conns, queue_names=(), default_queue="default")
+        self._submitter = Submitter(
+            conns,
+            stages=stages,
+            store=store,
+            recorder=recorder,
+            deduper=deduper,
+            stops=self._stops,
+            settle=settles,
+            metrics=metrics,
+        )
+        self.dlq = DeadLetters(
+            DeadLetterQueue(conns, stages=stages, store=store, recorder=recorder, deduper=deduper)
+        )
+        self.registry_ttl = registry_ttl
+        self._registry: dict[str, RegisteredStage] = {}
+        self._loaded_at = float("-inf")
+        self._lock = threading.Lock()
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def stages(self, *, refresh: bool = False) -> dict[str, RegisteredStage]:
+        """The registered stages by name (cached for ``registry_ttl`` seconds)."""
+        with self._lock:
+            if refresh or time.monotonic() - self._loaded_at > self.registry_ttl:
+                self._registry = registry.load(self.connections.engine)
+                self._loaded_at = time.monotonic()
+            return dict(self._registry)
+
+    def stage(self, name: str) -> RegisteredStage:
+        """One registered stage; an unknown name is looked up again once (a worker of a
+        newer deployment may have registered it meanwhile), then refused with close names."""
+        try:
+            return registry.lookup(self.stages(), name)
+        except UnknownStage:
+            return registry.lookup(self.stages(refresh=True), name)
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    def submit(
+        self,
+        stage: str,
+        payload: BaseModel | Mapping[str, Any] | None = None,
+        *,
+        session: Session | None = None,
+        idempotency_key: str | None = None,
+        delay: float = 0.0,
+        run_at: dt.datetime | None = None,
+        expires_in: float | None = None,
+        priority: int | None = None,
+        label: str | None = None,
+        max_attempts: int | None = None,
+        dedup: Literal[False] | None = None,
+        reuse: Reuse = "never",
+    ) -> JobHandle:
+        """Record a job of stage ``stage`` and publish it after commit (as
+        :meth:`conveyor.platform.Platform.submit`, whose options these are).
+
+        Raises :class:`conveyor.errors.UnknownStage` (with close names),
+        :class:`conveyor.errors.PayloadInvalid` (naming each bad field),
+        :class:`conveyor.errors.SubmitFailed` (the database failed). ``dedup=False``
+        turns the stage's declared dedup policy off for this submit.
+        """
+        spec = self.stage(stage)
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
+        clean = spec.validate(data)
+        limit = self.settings.max_payload_bytes
+        size = len(json.dumps(clean, separators=(",", ":"), ensure_ascii=False).encode())
+        if size > limit:
+            raise PayloadTooLarge(
+                f"payload for {spec.name} is {size} bytes of JSON, over the limit of {limit} bytes "
+                "(max_payload_bytes): pass ids or references to stored data, not the data itself"
+            )
+        new = NewJob(
+            stage=spec.name,
+            queue=spec.queue,
+            payload=clean,
+            max_attempts=max_attempts or spec.max_attempts,
+            priority=spec.priority if priority is None else priority,
+            label=label or spec.name.rsplit(".", 1)[-1],
+            idempotency_key=idempotency_key,
+            delay=max(0.0, delay),
+            expires_in=expires_in,
+            run_at=utc_or_none(run_at),
+        )
+        new.origin_task_id = new.id
+        plan = None
+        if dedup is not False:
+            policy = spec.dedup_policy()  # refuses a stage whose key only its code computes
+            resolved = spec.resolve_dedup(clean)
+            if policy is not None and resolved is not None:
+                scope, key = resolved
+                plan = DedupPlan(policy, scope, key, reuse, self.settings.retention_days * 86400)
+        return self._submitter.enqueue(new, session=session, plan=plan)
+
+    def job(self, job_id: str) -> JobHandle:
+        """A handle on an existing job (``wait``, ``result``, ``cancel``, ``events``)."""
+        return self._submitter.handle(job_id)
+
+    def cancel(self, job_id: str, *, by: str = "api", reason: str | None = None) -> str:
+        """Cancel a job in any state; returns the status it ends up in (idempotent)."""
+        return self._stops.cancel(job_id, by=by, reason=reason)
+
+    def close(self) -> None:
+        """Close this client's connections (it reconnects if used again)."""
+        self.connections.reset()
+
+
+def connect(
+    settings: ConveyorSettings | None = None,
+    *,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+) -> Client:
+    """A :class:`Client` for the deployment named by ``settings`` (default: the environment)."""
+    return Client(settings, database_url=database_url, redis_url=redis_url)
+
+
+__all__ = ["Client", "DeadLetters", "connect"]

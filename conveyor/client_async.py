@@ -1,0 +1,129 @@
+"""The client for asyncio apps (ASGI: FastAPI, Starlette, Django's async views).
+
+Each call runs the synchronous :class:`conveyor.client.Client` in a worker thread
+(``asyncio.to_thread``), so the event loop never waits on Postgres or Redis: a submit is a
+round trip or two, and ``wait`` blocks only its own thread. To join your own transaction,
+submit inside ``await session.run_sync(lambda s: client.sync.submit(..., session=s))``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+from conveyor.client import Client, DeadLetters
+from conveyor.dedup import Reuse
+from conveyor.handle import JobEvent, JobHandle
+from conveyor.registry import RegisteredStage
+from conveyor.settings import ConveyorSettings
+from conveyor.store import Row
+
+
+class AsyncJobHandle:
+    """A :class:`conveyor.handle.JobHandle` whose reads are awaited."""
+
+    def __init__(self, handle: JobHandle) -> None:
+        self.sync = handle
+        self.id = handle.id
+        self.deduplicated = handle.deduplicated
+
+    def __repr__(self) -> str:
+        return f"<AsyncJobHandle {self.id}{' (deduplicated)' if self.deduplicated else ''}>"
+
+    async def row(self) -> Row:
+        """The job's row."""
+        return await asyncio.to_thread(self.sync.row)
+
+    async def status(self) -> str:
+        """The job's status now."""
+        return await asyncio.to_thread(self.sync.status)
+
+    async def result(self) -> Any:
+        """The job's stored result (None until it succeeded)."""
+        return await asyncio.to_thread(lambda: self.sync.result)
+
+    async def wait(self, timeout: float = 30.0) -> str:
+        """Wait until the job is terminal (or ``timeout``); returns its status."""
+        return await asyncio.to_thread(self.sync.wait, timeout)
+
+    async def cancel(self, *, by: str = "api", reason: str | None = None) -> str:
+        """Cancel the job; returns the status it ends up in."""
+        return await asyncio.to_thread(self.sync.cancel, by=by, reason=reason)
+
+    async def events(self, since: str | None = None) -> tuple[list[JobEvent], str | None]:
+        """The job's events after cursor ``since``, and the next cursor."""
+        return await asyncio.to_thread(self.sync.events, since)
+
+
+class AsyncClient:
+    """:class:`conveyor.client.Client` for asyncio code; the same options and errors."""
+
+    def __init__(
+        self,
+        settings: ConveyorSettings | None = None,
+        *,
+        database_url: str | None = None,
+        redis_url: str | None = None,
+    ) -> None:
+        self.sync = Client(settings, database_url=database_url, redis_url=redis_url)
+
+    @property
+    def dlq(self) -> DeadLetters:
+        """The dead-letter queue, read-only (its reads are quick; call them in a thread if
+        they must never touch the loop)."""
+        return self.sync.dlq
+
+    async def stages(self, *, refresh: bool = False) -> dict[str, RegisteredStage]:
+        """The registered stages by name."""
+        return await asyncio.to_thread(self.sync.stages, refresh=refresh)
+
+    async def submit(
+        self,
+        stage: str,
+        payload: BaseModel | Mapping[str, Any] | None = None,
+        *,
+        idempotency_key: str | None = None,
+        delay: float = 0.0,
+        run_at: dt.datetime | None = None,
+        expires_in: float | None = None,
+        priority: int | None = None,
+        label: str | None = None,
+        max_attempts: int | None = None,
+        dedup: Literal[False] | None = None,
+        reuse: Reuse = "never",
+    ) -> AsyncJobHandle:
+        """Record a job of stage ``stage`` and publish it after commit."""
+        handle = await asyncio.to_thread(
+            self.sync.submit,
+            stage,
+            payload,
+            idempotency_key=idempotency_key,
+            delay=delay,
+            run_at=run_at,
+            expires_in=expires_in,
+            priority=priority,
+            label=label,
+            max_attempts=max_attempts,
+            dedup=dedup,
+            reuse=reuse,
+        )
+        return AsyncJobHandle(handle)
+
+    def job(self, job_id: str) -> AsyncJobHandle:
+        """A handle on an existing job."""
+        return AsyncJobHandle(self.sync.job(job_id))
+
+    async def cancel(self, job_id: str, *, by: str = "api", reason: str | None = None) -> str:
+        """Cancel a job in any state; returns the status it ends up in."""
+        return await asyncio.to_thread(self.sync.cancel, job_id, by=by, reason=reason)
+
+    async def close(self) -> None:
+        """Close the connections."""
+        await asyncio.to_thread(self.sync.close)
+
+
+__all__ = ["AsyncClient", "AsyncJobHandle"]
