@@ -27,6 +27,7 @@ from conveyor.broker import Broker
 from conveyor.completion import Completion
 from conveyor.connections import Connections
 from conveyor.continuations import Continuations
+from conveyor.db import schema as s
 from conveyor.dedup import Dedup, Deduplicator, Reuse
 from conveyor.dlq import DeadLetterQueue
 from conveyor.fastpath import FastPath
@@ -368,9 +369,21 @@ class Platform:
         """After a job's terminal transition committed: wake waiters, settle followers."""
         self.flow.finished(job_id, status, dedup_key=dedup_key)
 
-    def bury(self, conn: Connection, row: Row, **kwargs: Any) -> Burial | None:
+    def bury(
+        self,
+        conn: Connection,
+        row: Row,
+        *,
+        error: BaseException,
+        message: str,
+        attempt: int | None = None,
+        tb_text: str | None = None,
+        from_status: Sequence[str] = (s.RUNNING,),
+    ) -> Burial | None:
         """Dead-letter ``row`` outside its stage body (see :meth:`Flow.bury`)."""
-        return self.flow.bury(conn, row, **kwargs)
+        return self.flow.bury(
+            conn, row, error=error, message=message, attempt=attempt, tb_text=tb_text, from_status=from_status
+        )
 
     def after_burial(self, burial: Burial | None) -> None:
         """Carry on a burial's flow once it committed (see :meth:`Flow.after_burial`)."""

@@ -66,7 +66,8 @@ class StageTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Submit through the platform; countdown/eta become ``run_at`` in the database."""
+        """Submit as ``submit()`` does (:class:`conveyor.submit.Submitter`); countdown/eta become
+        ``run_at`` in the database."""
         handle = self.submitter.submit_call(
             self.spec,
             tuple(args or ()),
