@@ -355,7 +355,8 @@ def _on_do_connect(dialect: Any, _record: Any, _cargs: Any, cparams: dict[str, A
         cparams["timeout"] = waiter.busy_timeout
     elif dialect.name == "postgresql":
         # libpq rounds up to 2 s; a black-holed host must not hang the command for minutes.
-        cparams.setdefault("connect_timeout", max(2, min(10, math.ceil(waiter.budget))))
+        wanted = max(2, min(10, math.ceil(waiter.budget)))
+        cparams["connect_timeout"] = min(int(cparams.get("connect_timeout") or wanted), wanted)
 
 
 def _on_connect(dbapi_conn: Any, _record: Any) -> None:

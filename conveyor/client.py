@@ -31,6 +31,8 @@ from typing import Any, Literal
 from celery import Celery
 from pydantic import BaseModel
 from sqlalchemy.engine import RowMapping
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from conveyor import registry
@@ -38,7 +40,7 @@ from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
-from conveyor.errors import PayloadTooLarge, UnknownStage
+from conveyor.errors import PayloadInvalid, PayloadTooLarge, SubmitFailed, UnknownStage, describe
 from conveyor.followers import Followers
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
@@ -200,8 +202,21 @@ class Client:
         :class:`conveyor.errors.SubmitFailed` (the database failed). ``dedup=False``
         turns the stage's declared dedup policy off for this submit.
         """
-        spec = self.stage(stage)
-        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
+        try:
+            spec = self.stage(stage)
+        except (DBAPIError, PoolTimeout) as exc:
+            raise SubmitFailed(
+                f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
+            ) from exc
+        if isinstance(payload, BaseModel):
+            data = payload.model_dump(mode="json")
+        elif payload is None or isinstance(payload, Mapping):
+            data = dict(payload or {})
+        else:
+            raise PayloadInvalid(
+                f"invalid payload for {spec.name}: payload: expected an object (a mapping of field "
+                f"names to values), got {type(payload).__name__}"
+            )
         clean = spec.validate(data)
         limit = self.settings.max_payload_bytes
         size = len(json.dumps(clean, separators=(",", ":"), ensure_ascii=False).encode())

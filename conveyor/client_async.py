@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel
+from sqlalchemy.engine import RowMapping
 
 from conveyor.client import Client, DeadLetters
 from conveyor.dedup import Reuse
+from conveyor.dlq import DeadLetterPage
 from conveyor.handle import JobEvent, JobHandle
 from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
@@ -42,9 +44,10 @@ class AsyncJobHandle:
         """The job's status now."""
         return await asyncio.to_thread(self.sync.status)
 
-    async def result(self) -> Any:
-        """The job's stored result (None until it succeeded)."""
-        return await asyncio.to_thread(lambda: self.sync.result)
+    @property
+    def result(self) -> Awaitable[Any]:
+        """The job's stored result (None unless it succeeded): ``await job.result``."""
+        return asyncio.to_thread(lambda: self.sync.result)
 
     async def wait(self, timeout: float = 30.0) -> str:
         """Wait until the job is terminal (or ``timeout``); returns its status."""
@@ -57,6 +60,21 @@ class AsyncJobHandle:
     async def events(self, since: str | None = None) -> tuple[list[JobEvent], str | None]:
         """The job's events after cursor ``since``, and the next cursor."""
         return await asyncio.to_thread(self.sync.events, since)
+
+
+class AsyncDeadLetters:
+    """:class:`conveyor.client.DeadLetters`, awaited."""
+
+    def __init__(self, dead_letters: DeadLetters) -> None:
+        self.sync = dead_letters
+
+    async def list(self, **filters: Any) -> DeadLetterPage:
+        """Open entries, newest first (the filters of :meth:`DeadLetters.list`)."""
+        return await asyncio.to_thread(lambda: self.sync.list(**filters))
+
+    async def show(self, entry_id: int) -> RowMapping | None:
+        """One entry, with its traceback and headers."""
+        return await asyncio.to_thread(self.sync.show, entry_id)
 
 
 class AsyncClient:
@@ -72,10 +90,9 @@ class AsyncClient:
         self.sync = Client(settings, database_url=database_url, redis_url=redis_url)
 
     @property
-    def dlq(self) -> DeadLetters:
-        """The dead-letter queue, read-only (its reads are quick; call them in a thread if
-        they must never touch the loop)."""
-        return self.sync.dlq
+    def dlq(self) -> AsyncDeadLetters:
+        """The dead-letter queue, read-only."""
+        return AsyncDeadLetters(self.sync.dlq)
 
     async def stages(self, *, refresh: bool = False) -> dict[str, RegisteredStage]:
         """The registered stages by name."""
@@ -126,4 +143,4 @@ class AsyncClient:
         await asyncio.to_thread(self.sync.close)
 
 
-__all__ = ["AsyncClient", "AsyncJobHandle"]
+__all__ = ["AsyncClient", "AsyncDeadLetters", "AsyncJobHandle"]

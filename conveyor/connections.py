@@ -80,7 +80,11 @@ class Connections:
                         raise NotRunning(
                             "no database configured: run `conveyor up` or set CONVEYOR_DATABASE_URL"
                         )
-                    self._engine = make_engine(url, pool_size=self.settings.db_pool_size)
+                    self._engine = make_engine(
+                        url,
+                        pool_size=self.settings.db_pool_size,
+                        connect_timeout=self.settings.db_connect_timeout,
+                    )
         return self._engine
 
     @contextmanager

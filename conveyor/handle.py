@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import RedisError
+
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.engine import reading
 from conveyor.store import JobStore, Row
+
+POLL_WITHOUT_REDIS = 0.5  # wait() reads Postgres this often while Redis does not answer
 
 
 @dataclass
@@ -85,10 +90,20 @@ class JobHandle:
         between the two cannot be missed; no sleep-polling.
         """
         deadline = time.monotonic() + timeout
-        pubsub = self.connections.redis.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+        pubsub: Any = None
         try:
-            pubsub.subscribe(self.connections.broker.wake_channel(self.id))
             while True:
+                if pubsub is None and not self.connections.fast.down:
+                    try:
+                        # The short-timeout client: a frozen Redis fails the subscribe at
+                        # once instead of holding the caller (``get_message`` has its own).
+                        client = self.connections.fast.client()
+                        pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+                        pubsub.subscribe(self.connections.broker.wake_channel(self.id))
+                    except RedisError as exc:  # Redis away: Postgres alone answers, polled
+                        self.connections.fast.trip(type(exc).__name__)
+                        _close(pubsub)
+                        pubsub = None
                 # A chain link's row appears when the link before it completes.
                 status = self._status_or_none()
                 if status in s.TERMINAL:
@@ -96,10 +111,18 @@ class JobHandle:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
-                # A bounded wait also covers a notification lost with a Redis restart.
-                pubsub.get_message(timeout=min(left, 5.0))
+                if pubsub is None:
+                    time.sleep(min(left, POLL_WITHOUT_REDIS))
+                    continue
+                try:
+                    # A bounded wait also covers a notification lost with a Redis restart.
+                    pubsub.get_message(timeout=min(left, 5.0))
+                except RedisError as exc:
+                    self.connections.fast.trip(type(exc).__name__)
+                    _close(pubsub)
+                    pubsub = None
         finally:
-            pubsub.close()
+            _close(pubsub)
 
     def cancel(self, *, by: str = "api", reason: str | None = None) -> str:
         """Cancel this job (see :meth:`Platform.cancel`); returns the resulting status."""
@@ -115,3 +138,10 @@ class JobHandle:
 
 
 __all__ = ["JobEvent", "JobHandle"]
+
+
+def _close(pubsub: Any) -> None:
+    """Close a subscription that may already be broken."""
+    if pubsub is not None:
+        with contextlib.suppress(Exception):
+            pubsub.close()

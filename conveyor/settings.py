@@ -102,6 +102,9 @@ class ConveyorSettings(BaseSettings):
     worker_concurrency: int = Field(default_factory=lambda: max(1, min(4, 2 * (os.cpu_count() or 1))))
     soft_shutdown_timeout: float = 30.0
     db_pool_size: int = 5
+    db_connect_timeout: int = Field(
+        10, ge=2, description="a Postgres connect that gets no answer fails after this many seconds"
+    )
     metrics_dir: Path | None = None
     log_format: Literal["console", "json"] = Field(
         "console", description="one renderer for every log line: JSON lines, or text for people"

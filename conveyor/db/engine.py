@@ -25,8 +25,9 @@ def sqlite_url(home: Path) -> str:
     return f"sqlite:///{(home / 'conveyor.db').resolve()}"
 
 
-def make_engine(url: str, *, pool_size: int = 5) -> Engine:
-    """Create an engine with bounded pools and dialect setup applied."""
+def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10) -> Engine:
+    """Create an engine with bounded pools and dialect setup applied. A Postgres that
+    accepts connections and never answers fails a connect after ``connect_timeout`` s."""
     url = normalize_url(url)
     if url.startswith("sqlite"):
         # One connection per checkout: SQLite connections are cheap and must not cross threads.
@@ -43,6 +44,7 @@ def make_engine(url: str, *, pool_size: int = 5) -> Engine:
             pool_pre_ping=False,
             pool_timeout=30,
             pool_recycle=1800,
+            connect_args={"connect_timeout": max(2, connect_timeout)},
         )
     configure_engine(engine)
     return engine

@@ -97,9 +97,32 @@ def test_the_async_client(platform: Any, worker: Any) -> None:
         )
         job = await client.submit("conveyor.demo.square", {"n": 5})
         status = await job.wait(30)
-        result = await job.result()
+        result = await job.result
         events, _ = await job.events()
+        page = await client.dlq.list(stage="conveyor.demo.square")
         await client.close()
-        return status, result, events[0].topic == "job.submitted"
+        return status, result, events[0].topic == "job.submitted" and page.total >= 0
 
     assert asyncio.run(main()) == (s.SUCCEEDED, {"n": 25}, True)
+
+
+def test_redis_away_leaves_submit_and_wait_to_postgres(platform: Any, worker: Any) -> None:
+    """A client whose Redis does not answer still submits (the relay publishes) and waits
+    (polling Postgres), with no Redis error reaching the app."""
+    client = conveyor.connect(database_url=platform.settings.database_url, redis_url="redis://127.0.0.1:1/0")
+    job = client.submit("conveyor.demo.square", {"n": 4})
+    assert job.row()["status"] == s.QUEUED
+    platform.republish_if_queued(job.id)  # the workers' relay would, once it sees Redis
+    assert job.wait(30) == s.SUCCEEDED and job.result == {"n": 16}
+    client.close()
+
+
+def test_errors_are_conveyors(platform: Any) -> None:
+    client = conveyor.connect(
+        database_url="postgresql://postgres@127.0.0.1:1/none", redis_url="redis://127.0.0.1:1/0"
+    )
+    with pytest.raises(conveyor.SubmitFailed, match="nothing was recorded"):
+        client.submit("conveyor.demo.square", {"n": 1})
+    ok = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
+    with pytest.raises(PayloadInvalid, match="expected an object"):
+        ok.submit("conveyor.demo.square", "7")  # type: ignore[arg-type]
