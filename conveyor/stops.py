@@ -96,7 +96,7 @@ class Stops:
                     )
                 stop = (int(row["attempts"]), row["celery_task_id"])
         if stop is not None:
-            self.flag(job_id, stop[0], CANCEL, stop[1])
+            self.flag(job_id, stop[0], CANCEL, stop[1], fast=True)
         elif status == s.CANCELLED:
             self.settle.finished(job_id, status, dedup_key=row["dedup_key"])
         return status
@@ -153,14 +153,25 @@ class Stops:
 
     # -- flags ----------------------------------------------------------------------------
 
-    def flag(self, job_id: str, attempt: int, kind: str, task_id: str | None) -> None:
+    def flag(self, job_id: str, attempt: int, kind: str, task_id: str | None, *, fast: bool = False) -> None:
         """After commit: the fast flag the holder's checkpoints read, and a revoke of the
-        holder's current Celery task id (never a later attempt's: each publish is fresh)."""
+        holder's current Celery task id (never a later attempt's: each publish is fresh).
+
+        With ``fast`` (a caller's cancel) Redis gets one short try and no revoke while it
+        does not answer: the request is in Postgres, which the holder's heartbeat reads."""
         connections = self.connections
-        try:
-            connections.redis.set(self._flag(job_id), f"{kind}:{attempt}", ex=86400)
-        except Exception:
-            log.warning("could not set the fast stop flag of %s; checkpoints fall back to Postgres", job_id)
+        key, value = self._flag(job_id), f"{kind}:{attempt}"
+        if fast:
+            if connections.fast.attempt(lambda r: r.set(key, value, ex=86400)) is None:
+                log.info("stop flag of %s left to Postgres: Redis does not answer", job_id)
+                return
+        else:
+            try:
+                connections.redis.set(key, value, ex=86400)
+            except Exception:
+                log.warning(
+                    "could not set the fast stop flag of %s; checkpoints fall back to Postgres", job_id
+                )
         if task_id:
             try:
                 connections.app.control.revoke(task_id)
