@@ -59,22 +59,12 @@ class Broker:
         """The epoch a job about to be inserted is published under, asking Redis only
         briefly (:class:`FastPath`); None if Redis does not answer: the job is inserted
         unpublished and the relay publishes it once Redis is back."""
-        if self._epoch is not None and time.monotonic() - self._epoch_read < max_age:
-            return self._epoch
+        cached = self._cached(max_age)
+        if cached is not None:
+            return cached
         if self.fast is None:
             return self.epoch(max_age=max_age)
-
-        def read(client: Redis) -> str | None:
-            value = client.get(self.epoch_key)
-            if value is None and self.direct:
-                return None  # the relay declares and creates it
-            if value is None:
-                self.declare_all(fast=True)
-                client.set(self.epoch_key, secrets.token_hex(8), nx=True)
-                value = client.get(self.epoch_key)
-            return value.decode() if isinstance(value, bytes) else str(value)
-
-        epoch = self.fast.attempt(read)
+        epoch = self.fast.attempt(lambda client: self._read_epoch(client, fast=True))
         if epoch is not None:
             self._epoch, self._epoch_read = epoch, time.monotonic()
         return epoch
@@ -86,27 +76,42 @@ class Broker:
         just vanished records the old epoch and is republished by the relay.
         """
         now = time.monotonic()
-        if self._epoch is not None and now - self._epoch_read < max_age:
-            return self._epoch
+        cached = self._cached(max_age)
+        if cached is not None:
+            return cached
         with self._lock:
-            value = self.redis.get(self.epoch_key)
-            if value is None:
-                self.declare_all()
-                self.redis.set(self.epoch_key, secrets.token_hex(8), nx=True)
-                value = self.redis.get(self.epoch_key)
-            self._epoch = value.decode() if isinstance(value, bytes) else str(value)
-            self._epoch_read = now
+            epoch = self._read_epoch(self.redis, fast=False)
+            if epoch is None:  # a direct publisher: a failed publish, left to the relay
+                raise ConnectionError("no broker epoch yet: the workers' relay creates it")
+            self._epoch, self._epoch_read = epoch, now
+            return epoch
+
+    def _cached(self, max_age: float) -> str | None:
+        """The epoch read less than ``max_age`` seconds ago, if any."""
+        if self._epoch is not None and time.monotonic() - self._epoch_read < max_age:
             return self._epoch
+        return None
+
+    def _read_epoch(self, client: Redis, *, fast: bool) -> str | None:
+        """The epoch in Redis, created (after declaring every queue) if missing; None when
+        missing and this publisher is direct (it knows no queues: the relay creates it)."""
+        value = client.get(self.epoch_key)
+        if value is None and self.direct:
+            return None
+        if value is None:
+            self.declare_all(fast=fast)
+            client.set(self.epoch_key, secrets.token_hex(8), nx=True)
+            value = client.get(self.epoch_key)
+        return value.decode() if isinstance(value, bytes) else str(value)
 
     def declare_all(self, *, fast: bool = False) -> None:
-        """Declare every queue, exchange and binding, bypassing kombu's declared-cache."""
-        if fast:
-            channel = self._fast_connection().default_channel
-            for queue in self.queues:
-                queue.bind(channel).declare()  # type: ignore[no-untyped-call]
-            return
-        with self.app.connection_for_write() as conn:
-            channel = conn.default_channel
+        """Declare every queue, exchange and binding, bypassing kombu's declared-cache
+        (with ``fast``, over this thread's short-timeout submit connection)."""
+        with contextlib.ExitStack() as stack:
+            if fast:
+                channel = self._fast_connection().default_channel
+            else:
+                channel = stack.enter_context(self.app.connection_for_write()).default_channel
             for queue in self.queues:
                 queue.bind(channel).declare()  # type: ignore[no-untyped-call]
 

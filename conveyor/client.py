@@ -22,7 +22,6 @@ with the reason.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import threading
 import time
 from collections.abc import Mapping
@@ -40,13 +39,14 @@ from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
-from conveyor.errors import PayloadInvalid, PayloadTooLarge, SubmitFailed, UnknownStage, describe
+from conveyor.errors import PayloadInvalid, SubmitFailed, UnknownStage, describe
 from conveyor.followers import Followers
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
 from conveyor.recorder import Recorder
 from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
+from conveyor.stage import checked_size
 from conveyor.stages import Stages
 from conveyor.stops import Stops
 from conveyor.store import JobStore, NewJob
@@ -217,14 +217,7 @@ class Client:
                 f"invalid payload for {spec.name}: payload: expected an object (a mapping of field "
                 f"names to values), got {type(payload).__name__}"
             )
-        clean = spec.validate(data)
-        limit = self.settings.max_payload_bytes
-        size = len(json.dumps(clean, separators=(",", ":"), ensure_ascii=False).encode())
-        if size > limit:
-            raise PayloadTooLarge(
-                f"payload for {spec.name} is {size} bytes of JSON, over the limit of {limit} bytes "
-                "(max_payload_bytes): pass ids or references to stored data, not the data itself"
-            )
+        clean = checked_size(spec.name, spec.validate(data), self.settings.max_payload_bytes)
         new = NewJob(
             stage=spec.name,
             queue=spec.queue,

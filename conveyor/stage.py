@@ -69,7 +69,12 @@ class StageSpec:
 
 def checked_payload(stage: str, model: BaseModel, limit: int) -> dict[str, Any]:
     """The payload as stored (JSON-ready), refused when its JSON is over ``limit`` bytes."""
-    data = model.model_dump(mode="json")
+    return checked_size(stage, model.model_dump(mode="json"), limit)
+
+
+def checked_size(stage: str, data: dict[str, Any], limit: int) -> dict[str, Any]:
+    """``data`` (JSON-ready), refused with :class:`PayloadTooLarge` when its JSON is over
+    ``limit`` bytes."""
     size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
     if size > limit:
         raise PayloadTooLarge(

@@ -82,5 +82,4 @@ class StageTask(Task):  # type: ignore[misc]
         return result
 
 
-
 __all__ = ["StageTask"]

@@ -126,3 +126,6 @@ def test_errors_are_conveyors(platform: Any) -> None:
     ok = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
     with pytest.raises(PayloadInvalid, match="expected an object"):
         ok.submit("conveyor.demo.square", "7")  # type: ignore[arg-type]
+    big = "x" * (platform.settings.max_payload_bytes + 1)
+    with pytest.raises(conveyor.PayloadTooLarge, match="max_payload_bytes"):
+        ok.submit("conveyor.demo.square", {"n": 1, "blob": big})
