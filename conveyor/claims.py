@@ -19,7 +19,7 @@ from sqlalchemy import Connection, and_, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db import schema as s
-from conveyor.db.dialect import PG_CLAIM, db_now, db_now_plus, is_sqlite
+from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, pg_statements
 from conveyor.db.schema import Row, job_events, jobs, new_event
 from conveyor.liveness import takeovers_allowed
 from conveyor.runfile import pid_alive
@@ -107,7 +107,8 @@ class Claims:
         :meth:`claim`", which also explains why."""
         if is_sqlite(conn):
             return None
-        return conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
+        params = {"id": job_id, "owner": owner, "task_id": task_id}
+        return conn.execute(pg_statements(conn).claim, params).mappings().first()
 
     def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:
         """Move ``job_id`` to ``running`` for this delivery, or say why not.
@@ -125,9 +126,8 @@ class Claims:
             )
             row = self._take(conn, job_id, due, owner=owner, task_id=task_id)
         else:
-            row = (
-                conn.execute(PG_CLAIM, {"id": job_id, "owner": owner, "task_id": task_id}).mappings().first()
-            )
+            params = {"id": job_id, "owner": owner, "task_id": task_id}
+            row = conn.execute(pg_statements(conn).claim, params).mappings().first()
         if row is not None:
             return Claim(ClaimOutcome.RUN, row)
         current = self.get(conn, job_id)

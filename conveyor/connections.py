@@ -84,6 +84,7 @@ class Connections:
                         url,
                         pool_size=self.settings.db_pool_size,
                         connect_timeout=self.settings.db_connect_timeout,
+                        schema=self.settings.db_schema,
                     )
         return self._engine
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sqlalchemy import ColumnElement, Connection, Engine, select
 
-from conveyor.db.dialect import PG_SEQUENCE_EVENTS, is_sqlite
+from conveyor.db.dialect import is_sqlite, pg_statements
 from conveyor.db.schema import job_events
 
 __all__ = ["EventCursor", "event_position", "resolve_cursor", "sequence_events"]
@@ -79,7 +79,7 @@ def _sequence(conn: Connection) -> int:
     total = 0
     while True:
         with conn.begin():
-            n = int(conn.execute(PG_SEQUENCE_EVENTS, {"limit": SEQUENCE_BATCH}).scalar_one())
+            n = int(conn.execute(pg_statements(conn).sequence_events, {"limit": SEQUENCE_BATCH}).scalar_one())
         total += n
         if n < SEQUENCE_BATCH:
             return total

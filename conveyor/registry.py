@@ -42,10 +42,11 @@ from typing import Any, Protocol
 import jsonschema
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
-from sqlalchemy import Connection, Engine, inspect, select
+from sqlalchemy import Connection, Engine, select
 
 from conveyor.db.dialect import db_now, upsert
 from conveyor.db.engine import reading
+from conveyor.db.namespace import table_exists
 from conveyor.db.schema import stages
 from conveyor.dedup import Dedup
 from conveyor.errors import ConfigurationError, PayloadInvalid, UnknownStage
@@ -135,7 +136,7 @@ def refresh(engine: Engine, specs: Iterable[StageLike]) -> list[str]:
     try:
         rows = _rows(specs, strict=False)
         with engine.connect() as conn:
-            if not inspect(conn).has_table(stages.name):
+            if not table_exists(conn, stages):
                 log.warning(
                     "stage registry not refreshed: table %r does not exist yet (run `conveyor db "
                     "upgrade`); clients cannot submit by stage name until it does",
@@ -314,7 +315,7 @@ def load(bind: Engine | Connection) -> dict[str, RegisteredStage]:
     if isinstance(bind, Engine):
         with reading(bind) as conn:
             return load(conn)
-    if not inspect(bind).has_table(stages.name):
+    if not table_exists(bind, stages):
         raise ConfigurationError(
             f"the stage registry (table {stages.name!r}) does not exist: run `conveyor db upgrade` "
             "with a Conveyor that has it, and start the deployment's workers"

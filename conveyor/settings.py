@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from conveyor.db.namespace import SCHEMA, checked_schema
+
 
 def _log_level(value: str) -> str:
     name = value.strip().upper()
@@ -104,6 +106,9 @@ class ConveyorSettings(BaseSettings):
     db_pool_size: int = 5
     db_connect_timeout: int = Field(
         10, ge=2, description="a Postgres connect that gets no answer fails after this many seconds"
+    )
+    db_schema: Annotated[str, AfterValidator(checked_schema)] = Field(
+        SCHEMA, description="the Postgres schema of Conveyor's tables (on SQLite, their name prefix)"
     )
     metrics_dir: Path | None = None
     log_format: Literal["console", "json"] = Field(

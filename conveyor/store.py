@@ -17,11 +17,10 @@ from sqlalchemy.engine import RowMapping
 from conveyor.claims import Claim, ClaimOutcome, Claims, counted_attempts
 from conveyor.db import schema as s
 from conveyor.db.dialect import (
-    PG_SUBMIT,
-    PG_SUCCEED,
     db_now,
     db_now_plus,
     is_sqlite,
+    pg_statements,
     upsert,
 )
 from conveyor.db.schema import Row, dead_letters, job_events, jobs, new_event
@@ -159,7 +158,7 @@ class JobStore(Claims):
             "dedup_seq": job.dedup_seq,
             "event": {"stage": job.stage},
         }
-        return conn.execute(PG_SUBMIT, params).first() is not None
+        return conn.execute(pg_statements(conn).submit, params).first() is not None
 
     def throttle(self, conn: Connection, job_id: str, *, wait: float, body: Mapping[str, Any]) -> bool:
         """Park a due, claimable job as ``throttled`` until ``run_at = now + wait``.
@@ -280,7 +279,7 @@ class JobStore(Claims):
                 self.emit(conn, [new_event(job_id, "job.succeeded", {"stage": stage})])
             return ok
         params = {"id": job_id, "attempt": attempt, "result": result, "event": {"stage": stage}}
-        return conn.execute(PG_SUCCEED, params).first() is not None
+        return conn.execute(pg_statements(conn).succeed, params).first() is not None
 
     def schedule_retry(
         self, conn: Connection, job: Row, attempt: int, delay: float, error: BaseException

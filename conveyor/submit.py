@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import is_sqlite
+from conveyor.db.namespace import use_schema
 from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.errors import ConfigurationError, SubmitFailed, describe, is_connection_loss
@@ -211,7 +212,8 @@ class Submitter:
         epoch = connections.broker.submit_epoch() if new.due_now else None
         try:
             if session is not None:
-                job_id, created = recorder.record(session.connection(), new, plan, now, epoch)
+                conn = use_schema(session.connection(), connections.settings.db_schema)
+                job_id, created = recorder.record(conn, new, plan, now, epoch)
             elif plan is None and not is_sqlite(connections.engine):
                 # The common submit is one statement (job row + outbox event): no transaction.
                 with connections.autocommit() as ac:

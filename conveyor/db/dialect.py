@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import functools
 import logging
 import os
 import sqlite3
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,12 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.sql.selectable import TextualSelect
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
+from conveyor.db.namespace import schema_of
 from conveyor.errors import DatabaseBusy
 
 UTC = dt.UTC
@@ -250,11 +255,6 @@ class LockingConnection(sqlite3.Connection):
 # column); only migrations use it.
 EVENT_TXID_DEFAULT_PG = "(pg_current_xact_id()::text)::bigint"
 
-# Numbers up to ``limit`` committed, unnumbered events; the function (migration 0009) holds
-# the sequencer's lock until the calling transaction ends, so commit right after.
-PG_SEQUENCE_EVENTS = text("SELECT conveyor_sequence_events(:limit)")
-
-
 # -- singleton locks -------------------------------------------------------------------
 
 
@@ -319,7 +319,7 @@ def next_seq(conn: Connection) -> int:
     Postgres: a real sequence. SQLite: a counter row, safe because writers are serialised.
     """
     if not is_sqlite(conn):
-        return int(conn.execute(text("SELECT nextval('conveyor_seq')")).scalar_one())
+        return int(conn.execute(pg_statements(conn).next_seq).scalar_one())
     conn.execute(
         text(
             "INSERT INTO conveyor_counters(name, value) VALUES ('seq', 1) "
@@ -332,14 +332,36 @@ def next_seq(conn: Connection) -> int:
 # -- Postgres hot paths ------------------------------------------------------------------
 # The three writes every job makes (submit, claim, succeed), each as one prepared
 # statement: a data-modifying CTE writes the row and its outbox event together. SQLite
-# (one writer, no DML CTEs) uses the generic statements in conveyor.store.
+# (one writer, no DML CTEs) uses the generic statements in conveyor.store. Table and
+# function names are qualified with Conveyor's schema: a submit may run on a caller's
+# connection, whose search_path knows nothing of it.
 
 _JSON = JSON()
 
-PG_SUBMIT = text(
-    """
+
+@dataclass(frozen=True)
+class PgStatements:
+    """The raw Postgres statements, qualified with one schema."""
+
+    submit: TextClause
+    claim: TextualSelect
+    succeed: TextClause
+    sequence_events: TextClause
+    next_seq: TextClause
+
+
+def pg_statements(conn: Connection) -> PgStatements:
+    """The raw statements for the schema ``conn`` renders Conveyor's tables in."""
+    return _pg_statements(schema_of(conn))
+
+
+@functools.lru_cache(maxsize=8)
+def _pg_statements(schema: str) -> PgStatements:
+    s = f'"{schema}".'
+    submit = text(
+        f"""
     WITH j AS (
-      INSERT INTO jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
+      INSERT INTO {s}jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
                         max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
                         created_at, updated_at, celery_task_id, published_at, broker_epoch,
                         dedup_key, dedup_seq)
@@ -354,33 +376,41 @@ PG_SUBMIT = text(
       ON CONFLICT DO NOTHING
       RETURNING id
     )
-    INSERT INTO job_events (job_id, topic, body, created_at)
+    INSERT INTO {s}job_events (job_id, topic, body, created_at)
     SELECT id, 'job.submitted', :event, clock_timestamp() FROM j
     RETURNING job_id
     """
-).bindparams(
-    bindparam("payload", type_=_JSON),
-    bindparam("options", type_=_JSON),
-    bindparam("event", type_=_JSON),
-    bindparam("delay", type_=Float()),
-    bindparam("expires_in", type_=Float()),
-)
-
-# One round trip, in autocommit: see migration 0004 (it commits asynchronously).
-PG_CLAIM = text("SELECT * FROM conveyor_claim(:id, :owner, :task_id)").columns(
-    payload=_JSON, options=_JSON, result=_JSON, progress=_JSON
-)
-
-PG_SUCCEED = text(
-    """
+    ).bindparams(
+        bindparam("payload", type_=_JSON),
+        bindparam("options", type_=_JSON),
+        bindparam("event", type_=_JSON),
+        bindparam("delay", type_=Float()),
+        bindparam("expires_in", type_=Float()),
+    )
+    succeed = text(
+        f"""
     WITH u AS (
-      UPDATE jobs SET status = 'succeeded', result = :result, lease_owner = NULL,
+      UPDATE {s}jobs SET status = 'succeeded', result = :result, lease_owner = NULL,
              finished_at = clock_timestamp(), updated_at = clock_timestamp()
       WHERE id = :id AND status = 'running' AND attempts = :attempt
       RETURNING id
     )
-    INSERT INTO job_events (job_id, topic, body, created_at)
+    INSERT INTO {s}job_events (job_id, topic, body, created_at)
     SELECT id, 'job.succeeded', :event, clock_timestamp() FROM u
     RETURNING job_id
     """
-).bindparams(bindparam("result", type_=_JSON), bindparam("event", type_=_JSON))
+    ).bindparams(bindparam("result", type_=_JSON), bindparam("event", type_=_JSON))
+    return PgStatements(
+        submit=submit,
+        # One round trip, in autocommit: see migration 0004 (it commits asynchronously).
+        # The function's body finds its tables through the search_path of Conveyor's own
+        # connections, the only ones that claim.
+        claim=text(f"SELECT * FROM {s}conveyor_claim(:id, :owner, :task_id)").columns(
+            payload=_JSON, options=_JSON, result=_JSON, progress=_JSON
+        ),
+        succeed=succeed,
+        # Numbers up to ``limit`` committed, unnumbered events; the function (migration
+        # 0009) holds the sequencer's lock until the calling transaction ends: commit next.
+        sequence_events=text(f"SELECT {s}conveyor_sequence_events(:limit)"),
+        next_seq=text(f"SELECT nextval('{s}conveyor_seq')"),
+    )

@@ -6,10 +6,11 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 
 import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, make_url
 from sqlalchemy.pool import NullPool
 
 from conveyor.db.dialect import READ_ONLY, WRITE_WAIT, LockingConnection, configure_engine
+from conveyor.db.namespace import SCHEMA, checked_schema, namespace_dialect, translate_map
 
 
 def normalize_url(url: str) -> str:
@@ -25,10 +26,12 @@ def sqlite_url(home: Path) -> str:
     return f"sqlite:///{(home / 'conveyor.db').resolve()}"
 
 
-def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10) -> Engine:
+def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10, schema: str = SCHEMA) -> Engine:
     """Create an engine with bounded pools and dialect setup applied. A Postgres that
-    accepts connections and never answers fails a connect after ``connect_timeout`` s."""
+    accepts connections and never answers fails a connect after ``connect_timeout`` s.
+    Conveyor's tables are in ``schema`` (on SQLite: prefixed with it)."""
     url = normalize_url(url)
+    schema = checked_schema(schema)
     if url.startswith("sqlite"):
         # One connection per checkout: SQLite connections are cheap and must not cross threads.
         engine = create_engine(
@@ -44,10 +47,23 @@ def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10) -> E
             pool_pre_ping=False,
             pool_timeout=30,
             pool_recycle=1800,
-            connect_args={"connect_timeout": max(2, connect_timeout)},
+            connect_args={
+                "connect_timeout": max(2, connect_timeout),
+                # Raw SQL of migrations, functions and the deployment finds the tables
+                # unqualified; a caller's own options in the URL are kept.
+                "options": _options(url, schema),
+            },
+            execution_options={"schema_translate_map": translate_map(schema)},
         )
+    namespace_dialect(engine.dialect, schema)
     configure_engine(engine)
     return engine
+
+
+def _options(url: str, schema: str) -> str:
+    given = make_url(url).query.get("options")
+    mine = f"-c search_path={schema},public"
+    return " ".join([*([given] if isinstance(given, str) else list(given or ())), mine])
 
 
 def reading(engine: Engine) -> Connection:

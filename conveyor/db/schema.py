@@ -21,6 +21,7 @@ from sqlalchemy import (
 )
 
 from conveyor.db.dialect import Timestamp
+from conveyor.db.namespace import SCHEMA, own
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -28,7 +29,8 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-metadata = MetaData(naming_convention=NAMING)
+# Every table is in Conveyor's own schema (a prefix on SQLite): see conveyor.db.namespace.
+metadata = MetaData(schema=SCHEMA, naming_convention=NAMING)
 
 # An autoincrementing 64-bit key on Postgres that SQLite still treats as its rowid alias.
 BigId = BigInteger().with_variant(Integer(), "sqlite")
@@ -51,7 +53,7 @@ THROTTLED = "throttled"  # over a rate limit or concurrency cap: parked until ru
 CLAIMABLE = (QUEUED, RETRYING, THROTTLED)
 
 jobs = Table(
-    "jobs",
+    own("jobs"),
     metadata,
     Column("id", String(36), primary_key=True),
     Column("stage", String(200), nullable=False),
@@ -112,7 +114,7 @@ jobs = Table(
 )
 
 job_events = Table(
-    "job_events",
+    own("job_events"),
     metadata,
     # SQLite: AUTOINCREMENT, so ids (its readers' positions) are never reused after a purge.
     Column("id", BigId, primary_key=True, autoincrement=True),
@@ -138,7 +140,7 @@ job_events = Table(
 )
 
 dead_letters = Table(
-    "dead_letters",
+    own("dead_letters"),
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("job_id", String(36), nullable=True),
@@ -161,7 +163,7 @@ dead_letters = Table(
 # Deduplication authority: who holds (scope, key), in which mode, until when. Times are
 # milliseconds of the dedup clock (Redis TIME in production, a virtual clock in tests).
 dedup_keys = Table(
-    "dedup_keys",
+    own("dedup_keys"),
     metadata,
     Column("scope", String(200), primary_key=True),
     Column("key", String(200), primary_key=True),
@@ -176,7 +178,7 @@ dedup_keys = Table(
 
 # Who a ``waiting_dedup`` job waits for (the holder of its dedup id when it was created).
 dedup_followers = Table(
-    "dedup_followers",
+    own("dedup_followers"),
     metadata,
     Column("job_id", String(36), primary_key=True),
     Column("holder", String(36), nullable=False),
@@ -184,6 +186,7 @@ dedup_followers = Table(
     Index("ix_dedup_followers_holder", "holder"),
 )
 
+# Named before the namespace existed: already prefixed, so SQLite does not prefix it again.
 counters = Table(
     "conveyor_counters",
     metadata,
@@ -194,7 +197,7 @@ counters = Table(
 # One row per lease key: who holds it (job, attempt, fencing token, renewed heartbeat), and
 # which higher-priority job it is reserved for while a preemption is under way.
 leases = Table(
-    "leases",
+    own("leases"),
     metadata,
     Column("key", String(200), primary_key=True),
     Column("holder_job", String(36), nullable=True),
@@ -212,7 +215,7 @@ leases = Table(
 # The stage registry: what a client without the stage code needs to submit by name (see
 # conveyor.registry). Written by ``conveyor db upgrade`` and by workers at start.
 stages = Table(
-    "stages",
+    own("stages"),
     metadata,
     Column("name", String(200), primary_key=True),
     Column("queue", String(100), nullable=False),

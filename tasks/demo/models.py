@@ -6,12 +6,14 @@ from __future__ import annotations
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
 from conveyor.db.dialect import Timestamp
+from conveyor.db.namespace import SCHEMA, own
 from conveyor.db.schema import BigId
 
-metadata = MetaData()
+# In Conveyor's schema (a prefix on SQLite), beside the platform's tables.
+metadata = MetaData(schema=SCHEMA)
 
 effects = Table(
-    "demo_effects",
+    own("demo_effects"),
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("job_id", String(36), nullable=False),

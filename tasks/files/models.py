@@ -16,9 +16,11 @@ from sqlalchemy import (
 )
 
 from conveyor.db.dialect import Timestamp
+from conveyor.db.namespace import SCHEMA, own
 from conveyor.db.schema import BigId
 
-metadata = MetaData()
+# In Conveyor's schema (a prefix on SQLite), beside the platform's tables.
+metadata = MetaData(schema=SCHEMA)
 
 # File states. ready/failed/cancelled are terminal and counted once in their batch.
 # ``uploading``: the row exists before its content is stored, so a failed or killed upload
@@ -36,7 +38,7 @@ TERMINAL = (READY, FAILED, CANCELLED)
 ACTIVE = (QUEUED, EXTRACTING, CHUNKING, EMBEDDING)
 
 batches = Table(
-    "file_batches",
+    own("file_batches"),
     metadata,
     Column("id", String(36), primary_key=True),
     Column("owner", String(200), nullable=False),
@@ -54,7 +56,7 @@ batches = Table(
 )
 
 files = Table(
-    "files",
+    own("files"),
     metadata,
     Column("id", String(36), primary_key=True),
     Column("owner", String(200), nullable=False),
@@ -80,7 +82,7 @@ files = Table(
 )
 
 chunks = Table(
-    "file_chunks",
+    own("file_chunks"),
     metadata,
     Column("id", BigId, primary_key=True, autoincrement=True),
     Column("file_id", String(36), nullable=False),
@@ -96,7 +98,7 @@ chunks = Table(
 # ``chunk_ids``: int64 little-endian; ``vectors``: float32 little-endian, one per chunk id,
 # in that order (see :func:`tasks.files.embedding.pack`).
 file_vectors = Table(
-    "file_vectors",
+    own("file_vectors"),
     metadata,
     Column("file_id", String(36), primary_key=True),
     Column("owner", String(200), nullable=False),

@@ -28,6 +28,7 @@ in other words than the document's leans on the vectors.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import shlex
@@ -37,8 +38,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import Connection, Engine, TextClause, func, select, text
 
+from conveyor.db.namespace import schema_of, sqlite_prefix
 from tasks.files.embedding import Embedder
 from tasks.files.errors import EmbeddingModelMismatch
 from tasks.files.models import READY, chunks, file_vectors, files
@@ -102,17 +104,21 @@ LIMIT :limit
 
 # The FTS table must drive this join (with another order SQLite runs the MATCH once per
 # joined row: minutes, not milliseconds); each file's best chunk is picked while reading.
-_SQLITE_BM25 = text(
-    """
-SELECT c.id, c.file_id, -bm25(file_chunks_fts, 1.0, 0.0) AS score
-FROM file_chunks_fts
-JOIN file_chunks c ON c.id = file_chunks_fts.rowid
-JOIN files f ON f.id = c.file_id
-WHERE file_chunks_fts MATCH :match AND c.owner = :owner AND f.status = :ready
-ORDER BY bm25(file_chunks_fts, 1.0, 0.0), c.id
+# Names carry Conveyor's SQLite prefix (``p``), as the f004 migration made them.
+_SQLITE_BM25 = """
+SELECT c.id, c.file_id, -bm25({p}file_chunks_fts, 1.0, 0.0) AS score
+FROM {p}file_chunks_fts
+JOIN {p}file_chunks c ON c.id = {p}file_chunks_fts.rowid
+JOIN {p}files f ON f.id = c.file_id
+WHERE {p}file_chunks_fts MATCH :match AND c.owner = :owner AND f.status = :ready
+ORDER BY bm25({p}file_chunks_fts, 1.0, 0.0), c.id
 """
-)
-_SQLITE_DF = text("SELECT count(*) FROM file_chunks_fts WHERE file_chunks_fts MATCH :match")
+_SQLITE_DF = "SELECT count(*) FROM {p}file_chunks_fts WHERE {p}file_chunks_fts MATCH :match"
+
+
+@functools.lru_cache(maxsize=8)
+def _sqlite_statements(prefix: str) -> tuple[TextClause, TextClause]:
+    return text(_SQLITE_BM25.format(p=prefix)), text(_SQLITE_DF.format(p=prefix))
 
 
 @dataclass(frozen=True)
@@ -171,8 +177,9 @@ def lexical(conn: Connection, owner: str, query: str, *, limit: int = CANDIDATES
         return Lexical([])
     # Each word a quoted phrase, so nothing in a query is FTS5 syntax.
     match = f"okey : {_owner_token(owner)} AND text : ({' OR '.join(map(_fts_phrase, terms))})"
+    bm25, df_of = _sqlite_statements(sqlite_prefix(schema_of(conn)))
     best: dict[str, Ranked] = {}
-    for r in conn.execute(_SQLITE_BM25, {"match": match, "owner": owner, "ready": READY}):
+    for r in conn.execute(bm25, {"match": match, "owner": owner, "ready": READY}):
         if r.file_id not in best:
             best[r.file_id] = Ranked(int(r.id), str(r.file_id), float(r.score))
             if len(best) == limit:
@@ -183,7 +190,7 @@ def lexical(conn: Connection, owner: str, query: str, *, limit: int = CANDIDATES
     idf = {}
     for term in terms:
         df = conn.execute(
-            _SQLITE_DF, {"match": f"okey : {_owner_token(owner)} AND text : {_fts_phrase(term)}"}
+            df_of, {"match": f"okey : {_owner_token(owner)} AND text : {_fts_phrase(term)}"}
         ).scalar_one()
         if df:
             idf[term] = math.log(1 + (n - df + 0.5) / (df + 0.5))

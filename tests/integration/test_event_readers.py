@@ -458,7 +458,7 @@ def test_migration_keeps_the_old_order_and_old_cursors(fresh_engine: Engine) -> 
         assert [r["id"] for r in rest] == old_order[old_order.index(3) + 1 :]
     # New events come after the old ones, and ids are never reused (SQLite: AUTOINCREMENT).
     with fresh_engine.begin() as conn:
-        conn.execute(text("DELETE FROM job_events WHERE id = 4"))
+        conn.execute(delete(job_events).where(job_events.c.id == 4))
         store.emit(conn, [new_event(None, "new", {"i": 5})])
     with fresh_engine.connect() as conn:
         rows, _ = store.events_since(conn, None)

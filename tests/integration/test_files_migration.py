@@ -17,9 +17,10 @@ from sqlalchemy import Engine, inspect, text
 from config.migrations import FAMILY_MIGRATIONS, upgrade
 from conveyor.db.engine import make_engine, sqlite_url
 from conveyor.db.migrate import alembic_config
+from conveyor.db.namespace import physical_name
 from pipelines.files import search
 from tasks.files.embedding import load_embedder, pack
-from tasks.files.models import file_vectors
+from tasks.files.models import chunks, file_vectors
 from tests.helpers import bound_to, scratch_database
 
 pytestmark = pytest.mark.timeout(120)
@@ -65,7 +66,8 @@ def test_f003_moves_vectors_and_indexes_old_chunks(old_engine: Engine, platform:
     upgrade(old_engine)
     with old_engine.connect() as conn:
         row = conn.execute(file_vectors.select()).one()
-        columns = {c["name"] for c in inspect(conn).get_columns("file_chunks")}
+        schema, name = physical_name(conn, chunks)
+        columns = {c["name"] for c in inspect(conn).get_columns(name, schema=schema)}
     assert (row.file_id, row.owner, row.model) == ("f1", "alice", "wordllama-256")
     assert struct.unpack("<2q", row.chunk_ids) == tuple(ids) and row.vectors == b"".join(vectors)
     assert not {"embedding", "model"} & columns
