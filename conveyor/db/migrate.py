@@ -11,6 +11,7 @@ from alembic.config import Config
 from sqlalchemy import Connection, Engine, inspect, text
 
 from conveyor.db.namespace import sqlite_prefix
+from conveyor.errors import ConfigurationError
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 SCHEMA_KEY = "conveyor_schema"  # the Alembic config attribute env.py sets
@@ -73,6 +74,39 @@ def prepare(conn: Connection, schema: str, known: set[str]) -> None:
         conn.execute(text(f"DELETE FROM {legacy} WHERE version_num = :v"), {"v": version})
     if conn.execute(text(f"SELECT count(*) FROM {legacy}")).scalar_one() == 0:
         conn.execute(text(f"DROP TABLE {legacy}"))
+
+
+def set_aside(conn: Connection, schema: str, known: set[str], platform: set[str]) -> list[str]:
+    """Take out of the version table, for this transaction, the revisions this process does
+    not know: another deployment's families on the same database (each deployment upgrades
+    the branches it has, and leaves the others as they are). Put them back with
+    :func:`put_back` before committing. A database whose platform revision is unknown was
+    migrated by a newer Conveyor: refused, never migrated from scratch beside it."""
+    name, own_schema = version_table(conn, schema)
+    if not inspect(conn).has_table(name, schema=own_schema):
+        return []
+    table = _qualified(name, own_schema)
+    rows = set(conn.execute(text(f"SELECT version_num FROM {table}")).scalars())
+    foreign = sorted(rows - known)
+    if foreign and not rows & platform:
+        raise ConfigurationError(
+            f"this database was migrated by a newer Conveyor (revision {', '.join(foreign)} is unknown "
+            "here): upgrade Conveyor before running its migrations"
+        )
+    for version in foreign:
+        conn.execute(text(f"DELETE FROM {table} WHERE version_num = :v"), {"v": version})
+    return foreign
+
+
+def put_back(conn: Connection, schema: str, foreign: list[str]) -> None:
+    """Return the revisions :func:`set_aside` took out."""
+    table = _qualified(*version_table(conn, schema))
+    for version in foreign:
+        conn.execute(text(f"INSERT INTO {table} (version_num) VALUES (:v)"), {"v": version})
+
+
+def _qualified(name: str, schema: str | None) -> str:
+    return f'"{schema}"."{name}"' if schema else f'"{name}"'
 
 
 def adopt(

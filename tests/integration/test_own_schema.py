@@ -24,6 +24,8 @@ from conveyor import registry
 from conveyor.db import schema as s
 from conveyor.db.engine import make_engine, sqlite_url
 from conveyor.db.migrate import alembic_config
+from conveyor.db.migrate import upgrade as platform_upgrade
+from conveyor.errors import ConfigurationError
 from conveyor.settings import ConveyorSettings
 from tasks.files.search import lexical
 from tests.helpers import bound_to, eventually, scratch_database
@@ -207,3 +209,26 @@ def test_a_schema_of_the_callers_choosing(platform: Any) -> None:
 def test_a_schema_name_is_an_identifier() -> None:
     with pytest.raises(ValueError, match="lower-case identifier"):
         ConveyorSettings(db_schema='x"; DROP TABLE jobs; --')
+
+
+def test_each_deployment_upgrades_the_branches_it_has(tmp_path: Path) -> None:
+    """A second deployment (or an app with the client only) on the same database has other
+    migration branches: its upgrade leaves this one's revisions as they are, and a database
+    a newer Conveyor migrated is refused instead of migrated again from scratch."""
+    engine = make_engine(sqlite_url(tmp_path))
+    try:
+        upgrade(engine)  # this deployment: the platform, the demo and the files branches
+        with engine.connect() as conn:
+            before = set(conn.execute(text("SELECT version_num FROM conveyor_alembic_version")).scalars())
+        platform_upgrade(engine)  # only the platform's branch: d002 and f004 are not known here
+        with engine.connect() as conn:
+            after = set(conn.execute(text("SELECT version_num FROM conveyor_alembic_version")).scalars())
+        assert after == before and {"d002", "f004"} <= after
+        with engine.begin() as conn:  # as if a newer Conveyor had added its 0099
+            conn.execute(
+                text("UPDATE conveyor_alembic_version SET version_num = '0099' WHERE version_num = '0011'")
+            )
+        with pytest.raises(ConfigurationError, match="newer Conveyor"):
+            platform_upgrade(engine)
+    finally:
+        engine.dispose()
