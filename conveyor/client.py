@@ -39,6 +39,7 @@ from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
+from conveyor.enlist import Enlistment
 from conveyor.errors import PayloadInvalid, SubmitFailed, UnknownStage, describe
 from conveyor.followers import Followers
 from conveyor.handle import JobHandle
@@ -183,7 +184,7 @@ class Client:
         stage: str,
         payload: BaseModel | Mapping[str, Any] | None = None,
         *,
-        session: Session | None = None,
+        session: Session | Enlistment | None = None,
         idempotency_key: str | None = None,
         delay: float = 0.0,
         run_at: dt.datetime | None = None,

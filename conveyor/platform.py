@@ -30,6 +30,7 @@ from conveyor.continuations import Continuations
 from conveyor.db import schema as s
 from conveyor.dedup import Dedup, Deduplicator, Reuse
 from conveyor.dlq import DeadLetterQueue
+from conveyor.enlist import Enlistment
 from conveyor.fastpath import FastPath
 from conveyor.flow import Burial, Flow
 from conveyor.followers import Followers
@@ -295,7 +296,7 @@ class Platform:
         stage: str | StageTask | StageSpec,
         payload: BaseModel | Mapping[str, Any] | None = None,
         *,
-        session: Session | None = None,
+        session: Session | Enlistment | None = None,
         idempotency_key: str | None = None,
         delay: float = 0.0,
         run_at: dt.datetime | None = None,

@@ -32,6 +32,7 @@ from conveyor.db.dialect import is_sqlite
 from conveyor.db.namespace import use_schema
 from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
+from conveyor.enlist import Enlistment
 from conveyor.errors import ConfigurationError, SubmitFailed, describe, is_connection_loss
 from conveyor.followers import Settles, has_flow
 from conveyor.handle import JobHandle
@@ -88,7 +89,7 @@ class Submitter:
         stage: str | Task | StageSpec,
         payload: BaseModel | Mapping[str, Any] | None = None,
         *,
-        session: Session | None = None,
+        session: Session | Enlistment | None = None,
         idempotency_key: str | None = None,
         delay: float = 0.0,
         run_at: dt.datetime | None = None,
@@ -185,7 +186,9 @@ class Submitter:
         finally:
             self._local.session = previous
 
-    def enqueue(self, new: NewJob, *, session: Session | None, plan: DedupPlan | None = None) -> JobHandle:
+    def enqueue(
+        self, new: NewJob, *, session: Session | Enlistment | None, plan: DedupPlan | None = None
+    ) -> JobHandle:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
         connections, recorder, fast = self.connections, self.recorder, self.connections.fast
         now = 0.0
@@ -212,6 +215,7 @@ class Submitter:
         epoch = connections.broker.submit_epoch() if new.due_now else None
         try:
             if session is not None:
+                # The caller's transaction: its framework commits or rolls back, never us.
                 conn = use_schema(session.connection(), connections.settings.db_schema)
                 job_id, created = recorder.record(conn, new, plan, now, epoch)
             elif plan is None and not is_sqlite(connections.engine):
@@ -251,6 +255,8 @@ class Submitter:
 
         if session is None:
             after_commit()
+        elif isinstance(session, Enlistment):
+            session.after_commit(after_commit, new.id)
         else:
             _after_commit(session, after_commit, new.id)
         following = created and new.status == s.WAITING_DEDUP

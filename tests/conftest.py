@@ -15,6 +15,10 @@ from typing import Any
 
 import pytest
 
+# Real projects that call Conveyor (tests/projects/*) have their own tests, which the
+# integration tests run in those projects' own directories and sessions.
+collect_ignore_glob = ["projects/*"]
+
 REDIS_BASE = os.environ.get("CONVEYOR_TEST_REDIS", "redis://127.0.0.1:6379")
 PG_BASE = os.environ.get("CONVEYOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 

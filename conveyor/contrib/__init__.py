@@ -1,0 +1,1 @@
+"""Integrations with the frameworks Conveyor is called from (Django, Flask, Celery)."""
