@@ -75,3 +75,24 @@ def test_the_shops_own_stage_runs_on_its_own_worker(conveyor_worker: object) -> 
     assert job.wait(30) == "succeeded"
     order.refresh_from_db()
     assert order.shipped
+
+
+def test_tests_use_the_test_database_and_the_test_redis(conveyor_database: str) -> None:
+    from django.conf import settings
+    from django.db import connection
+
+    used = conveyor.client().settings
+    assert connection.settings_dict["NAME"].startswith("test_") and used.database_url == conveyor_database
+    assert connection.settings_dict["NAME"] in conveyor_database
+    assert used.redis_url == settings.CONVEYOR["TEST"]["REDIS_URL"]
+
+
+def test_without_a_test_redis_conveyor_refuses_to_start() -> None:
+    from django.core.exceptions import ImproperlyConfigured
+    from django.test import override_settings
+
+    from conveyor.contrib.django import conf
+
+    only_dev = override_settings(CONVEYOR={"REDIS_URL": "redis://127.0.0.1:6379/0"})
+    with only_dev, pytest.raises(ImproperlyConfigured, match=r"CONVEYOR\['TEST'\]\['REDIS_URL'\]"):
+        conf.conveyor_settings()
