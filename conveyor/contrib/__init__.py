@@ -1,0 +1,1 @@
+"""Integrations with web frameworks; each module imports its framework, nothing else does."""
