@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import registry
 from conveyor.celeryconfig import celery_config
@@ -184,7 +184,7 @@ class Client:
         stage: str,
         payload: BaseModel | Mapping[str, Any] | None = None,
         *,
-        session: Session | Enlistment | None = None,
+        session: Session | scoped_session[Any] | Enlistment | None = None,
         idempotency_key: str | None = None,
         delay: float = 0.0,
         run_at: dt.datetime | None = None,

@@ -19,7 +19,7 @@ from kombu.entity import Queue
 from pydantic import BaseModel
 from redis import Redis
 from sqlalchemy import Connection, Engine
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import shared
 from conveyor.admission import Admission
@@ -296,7 +296,7 @@ class Platform:
         stage: str | StageTask | StageSpec,
         payload: BaseModel | Mapping[str, Any] | None = None,
         *,
-        session: Session | Enlistment | None = None,
+        session: Session | scoped_session[Any] | Enlistment | None = None,
         idempotency_key: str | None = None,
         delay: float = 0.0,
         run_at: dt.datetime | None = None,
@@ -323,7 +323,7 @@ class Platform:
             reuse=reuse,
         )
 
-    def enlisted(self, session: Session) -> AbstractContextManager[Session]:
+    def enlisted(self, session: Session | scoped_session[Any]) -> AbstractContextManager[Session]:
         """Make ``delay()``/``apply_async()``/canvases inside the block join ``session``:
         their jobs commit with the caller's own changes and are published after commit."""
         return self.submitter.enlisted(session)

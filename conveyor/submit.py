@@ -24,7 +24,7 @@ from sqlalchemy import Connection, update
 from sqlalchemy import event as sa_event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, scoped_session
 
 from conveyor.connections import Connections
 from conveyor.db import schema as s
@@ -89,7 +89,7 @@ class Submitter:
         stage: str | Task | StageSpec,
         payload: BaseModel | Mapping[str, Any] | None = None,
         *,
-        session: Session | Enlistment | None = None,
+        session: Session | scoped_session[Any] | Enlistment | None = None,
         idempotency_key: str | None = None,
         delay: float = 0.0,
         run_at: dt.datetime | None = None,
@@ -102,11 +102,13 @@ class Submitter:
     ) -> JobHandle:
         """Record a job and publish it after commit. Returns a :class:`JobHandle`.
 
-        With ``session`` the job joins the caller's transaction: it is published only
-        if and when that transaction commits. An ``idempotency_key`` seen before returns
-        the existing job (any state) with ``deduplicated=True``. ``dedup`` overrides the
-        stage's declared policy (``False`` turns it off); ``reuse`` applies to
-        deterministic ids. A duplicate never raises: it returns the holder's handle.
+        With ``session`` (a ``Session``, or a ``scoped_session`` such as Flask-SQLAlchemy's
+        ``db.session``, resolved to its current session) the job joins the caller's
+        transaction: it is published only if and when that transaction commits. An
+        ``idempotency_key`` seen before returns the existing job (any state) with
+        ``deduplicated=True``. ``dedup`` overrides the stage's declared policy (``False``
+        turns it off); ``reuse`` applies to deterministic ids. A duplicate never raises:
+        it returns the holder's handle.
         """
         spec = self.stages.spec(stage)
         data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
@@ -176,20 +178,26 @@ class Submitter:
         return self.enqueue(new, session=session, plan=plan)
 
     @contextmanager
-    def enlisted(self, session: Session) -> Iterator[Session]:
+    def enlisted(self, session: Session | scoped_session[Any]) -> Iterator[Session]:
         """Make ``delay()``/``apply_async()``/canvases inside the block join ``session``:
         their jobs commit with the caller's own changes and are published after commit."""
         previous = getattr(self._local, "session", None)
-        self._local.session = session
+        self._local.session = joined = resolved(session)
         try:
-            yield session
+            yield joined
         finally:
             self._local.session = previous
 
     def enqueue(
-        self, new: NewJob, *, session: Session | Enlistment | None, plan: DedupPlan | None = None
+        self,
+        new: NewJob,
+        *,
+        session: Session | scoped_session[Any] | Enlistment | None,
+        plan: DedupPlan | None = None,
     ) -> JobHandle:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
+        if session is not None and not isinstance(session, Enlistment):
+            session = resolved(session)
         connections, recorder, fast = self.connections, self.recorder, self.connections.fast
         now = 0.0
         if plan is not None:
@@ -288,46 +296,82 @@ def utc_or_none(value: Any) -> dt.datetime | None:
     return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).astimezone(dt.UTC)
 
 
+def resolved(session: Session | scoped_session[Any]) -> Session:
+    """The :class:`Session` a caller means: a ``scoped_session`` (Flask-SQLAlchemy's
+    ``db.session``) is resolved to its current session, so nothing is ever hooked on the
+    registry, whose events SQLAlchemy applies to the whole session class."""
+    return session() if isinstance(session, scoped_session) else session
+
+
 def _after_commit(session: Session, fn: Callable[[], None], job_id: str) -> None:
     """Run ``fn`` once ``session``'s outermost transaction commits.
 
     Dropped if the transaction it was registered in rolls back, or any savepoint around
-    it does; a savepoint rolled back *beside* it (before or after) leaves it alone.
+    it does, or the session is closed first; a savepoint rolled back *beside* it (before
+    or after) leaves it alone. The pending calls live in ``session.info``; the listeners
+    that run them are installed once per process on :class:`Session` (so on every
+    subclass and ``sessionmaker``), never per session: a long-lived process that
+    submits in every request keeps the same listeners.
     """
-    pending: list[tuple[Any, Callable[[], None], str]] = session.info.setdefault(PENDING_KEY, [])
-    if not session.info.get(PENDING_KEY + "_hooked"):
-        session.info[PENDING_KEY + "_hooked"] = True
-
-        def on_commit(sess: Session) -> None:
-            if sess.get_nested_transaction() is not None:
-                return  # a savepoint was released: its work commits (or not) with the outer one
-            todo = sess.info.get(PENDING_KEY) or []
-            sess.info[PENDING_KEY] = []
-            bind = sess.bind
-            if isinstance(bind, Connection) and bind.in_transaction():
-                # The session joined a transaction it does not own (a test fixture's, a
-                # framework's): its commit only released a savepoint, and Core has no
-                # after-commit hook. Leave the jobs to the relay, inside that transaction:
-                # published within a relay interval if it commits, never if it rolls back.
-                ids = [job_id for _, _, job_id in todo]
-                bind.execute(
-                    update(jobs)
-                    .where(jobs.c.id.in_(ids), jobs.c.status == s.QUEUED)
-                    .values(published_at=None, broker_epoch=None)
-                )
-                return
-            for _, f, _ in todo:
-                f()
-
-        def on_rollback(sess: Session, ended: Any) -> None:
-            sess.info[PENDING_KEY] = [
-                entry for entry in sess.info.get(PENDING_KEY) or [] if not _within(entry[0], ended)
-            ]
-
-        sa_event.listen(session, "after_commit", on_commit)
-        sa_event.listen(session, "after_soft_rollback", on_rollback)
+    _install_listeners()
     current = session.get_nested_transaction() or session.get_transaction()
-    pending.append((current, fn, job_id))
+    session.info.setdefault(PENDING_KEY, []).append((current, fn, job_id))
+
+
+_install_lock = threading.Lock()
+_installed = False
+
+
+def _install_listeners() -> None:
+    global _installed
+    if _installed:
+        return
+    with _install_lock:
+        if not _installed:
+            sa_event.listen(Session, "after_commit", _on_commit)
+            sa_event.listen(Session, "after_soft_rollback", _on_soft_rollback)
+            sa_event.listen(Session, "after_transaction_end", _on_transaction_end)
+            _installed = True
+
+
+def _on_commit(session: Session) -> None:
+    if session.get_nested_transaction() is not None:
+        return  # a savepoint was released: its work commits (or not) with the outer one
+    todo: list[tuple[Any, Callable[[], None], str]] = session.info.pop(PENDING_KEY, None) or []
+    if not todo:
+        return
+    bind = session.bind
+    if isinstance(bind, Connection) and bind.in_transaction():
+        # The session joined a transaction it does not own (a test fixture's, a
+        # framework's): its commit only released a savepoint, and Core has no
+        # after-commit hook. Leave the jobs to the relay, inside that transaction:
+        # published within a relay interval if it commits, never if it rolls back.
+        ids = [job_id for _, _, job_id in todo]
+        bind.execute(
+            update(jobs)
+            .where(jobs.c.id.in_(ids), jobs.c.status == s.QUEUED)
+            .values(published_at=None, broker_epoch=None)
+        )
+        return
+    for _, fn, _ in todo:
+        fn()
+
+
+def _on_soft_rollback(session: Session, ended: Any) -> None:
+    _drop_within(session, ended)
+
+
+def _on_transaction_end(session: Session, ended: Any) -> None:
+    if ended.parent is None:
+        # The outermost transaction ended without a commit that ran them (a close()
+        # without rollback() fires no rollback event): its jobs' rows are gone.
+        _drop_within(session, ended)
+
+
+def _drop_within(session: Session, ended: Any) -> None:
+    pending = session.info.get(PENDING_KEY)
+    if pending:
+        session.info[PENDING_KEY] = [entry for entry in pending if not _within(entry[0], ended)]
 
 
 def _within(tx: Any, ancestor: Any) -> bool:
@@ -339,4 +383,4 @@ def _within(tx: Any, ancestor: Any) -> bool:
     return False
 
 
-__all__ = ["PENDING_KEY", "Submitter"]
+__all__ = ["PENDING_KEY", "Submitter", "resolved"]

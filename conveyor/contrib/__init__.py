@@ -1,1 +1,2 @@
-"""Integrations with the frameworks Conveyor is called from (Django, Flask, Celery)."""
+"""Integrations with the frameworks Conveyor is called from (Django, Flask): each module
+imports its framework, and nothing else does."""
