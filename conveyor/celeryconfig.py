@@ -5,12 +5,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kombu.entity import Queue
+from kombu.entity import Exchange, Queue
 
 from conveyor.settings import ConveyorSettings
 
 JSON_ONLY = ["json"]
 PLACEHOLDER_BROKER = "redis://conveyor-not-configured.invalid:6379/0"
+# Where a plain Celery app sends a task it has no route for (its ``task_default_queue``).
+CELERY_DEFAULT_QUEUE = "celery"
+
+
+def celery_default_queue() -> Queue:
+    """Celery's default queue as a plain Celery app declares it (exchange and routing key
+    named like the queue), for workers that consume it (``consume_default_queue``)."""
+    name = CELERY_DEFAULT_QUEUE
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
 
 
 def celery_config(

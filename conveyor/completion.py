@@ -111,12 +111,18 @@ class Completion:
         self.flow.publish_continuations(continuation)
         try:
             self.flow.finished(job["id"], s.SUCCEEDED, dedup_key=job["dedup_key"])
-            origin = job["origin_task_id"]
-            if origin and origin != task.request.id:
-                # Callers holding the first AsyncResult (chains do) still see the outcome.
-                task.backend.store_result(origin, result, "SUCCESS")
         except Exception:
             log.warning("post-commit notification failed for %s", job["id"], exc_info=True)
+        origin = job["origin_task_id"]
+        if origin and origin != task.request.id:
+            # Callers holding the first AsyncResult (chains, send_task) still see the outcome.
+            self._store_origin(task, origin, result)
+
+    def _store_origin(self, task: Task, origin: str, result: Any) -> None:
+        try:
+            task.backend.store_result(origin, result, "SUCCESS")
+        except Exception:
+            log.warning("could not store the result of task %s", origin, exc_info=True)
 
     # -- failure ------------------------------------------------------------------------
 
@@ -187,6 +193,13 @@ class Completion:
             self.metrics.inc("dead", spec.name)
             self.flow.publish_continuations(continuation)
             self.flow.finished(job["id"], s.DEAD, dedup_key=job["dedup_key"])
+            origin = job["origin_task_id"]
+            if origin and origin != task.request.id:
+                # Celery stores this delivery's outcome; the caller holds the first task id.
+                if carried is None:
+                    self.flow.report_failure(origin, {}, exc)
+                else:
+                    self._store_origin(task, origin, carried[0])
             return carried
         else:
             self.metrics.inc("retried", spec.name)

@@ -27,6 +27,8 @@ from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 
+from conveyor.celeryconfig import CELERY_DEFAULT_QUEUE
+
 log = logging.getLogger("conveyor.consumer")
 
 TEARDOWN_FAILED = (
@@ -43,8 +45,13 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's consumer, except that unrunnable messages go to the DLQ without their body,
     and that tearing down a lost broker connection cannot raise.
 
-    Celery's own handlers log the full message body, which may hold personal data.
+    Celery's own handlers log the full message body, which may hold personal data. On
+    Celery's default queue (consumed with ``consume_default_queue``), shared with whatever
+    else the caller's Celery apps send there, a message that is not a stage's is not ours
+    to refuse: it goes back untouched (see :meth:`_left_to_others`).
     """
+
+    _away_from_default = False  # stepped back from the default queue, coming back on a timer
 
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         """Celery's teardown of the lost connection, with its ``collect()`` no longer
@@ -77,6 +84,42 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
         return super().call_soon_ack(ack)
 
+    def _left_to_others(self, message: Any) -> bool:
+        """Requeue a message of Celery's default queue that is not a stage's, untouched
+        (kombu only marks it redelivered), for another Celery worker of that queue; True
+        if it was one. This worker then leaves the queue for ``default_queue_pause``, so a
+        message no one here can run is taken again at most that often, and the other
+        consumers get their turn at it."""
+        host = self.app.conveyor
+        info = getattr(message, "delivery_info", None) or {}
+        if not host.settings.consume_default_queue or info.get("routing_key") != CELERY_DEFAULT_QUEUE:
+            return False
+        name = (getattr(message, "headers", None) or {}).get("task")
+        if isinstance(name, str) and name in host.stages:
+            return False  # a stage's message: refused as on any other queue
+        message.reject_log_error(log, self.connection_errors, requeue=True)
+        log.info("left task %r on queue %r to other workers", str(name)[:200], CELERY_DEFAULT_QUEUE)
+        self._step_back(host.settings.default_queue_pause)
+        return True
+
+    def _step_back(self, pause: float) -> None:
+        if self._away_from_default:
+            return
+        try:
+            self.cancel_task_queue(CELERY_DEFAULT_QUEUE)
+        except Exception as exc:
+            log.warning("could not stop consuming %r (%r)", CELERY_DEFAULT_QUEUE, exc)
+            return
+        self._away_from_default = True
+        self.timer.call_after(pause, self._come_back)
+
+    def _come_back(self) -> None:
+        self._away_from_default = False
+        try:
+            self.add_task_queue(CELERY_DEFAULT_QUEUE)
+        except Exception as exc:  # selected again all the same: a reconnect consumes it
+            log.warning("could not consume %r again yet (%r)", CELERY_DEFAULT_QUEUE, exc)
+
     def _garbage(self, message: Any, error_type: str, text: str) -> None:
         headers = dict(getattr(message, "headers", None) or {})
         headers["content_type"] = getattr(message, "content_type", None)
@@ -88,19 +131,27 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         log.error("rejected message (%s): %s; headers recorded in the DLQ, body discarded", error_type, text)
 
     def on_unknown_message(self, body: Any, message: Any) -> None:
+        if self._left_to_others(message):
+            return
         self._garbage(message, "UnknownMessage", "message is not a Celery task message")
         message.reject_log_error(log, self.connection_errors)
 
     def on_unknown_task(self, body: Any, message: Any, exc: Exception) -> None:
+        if self._left_to_others(message):
+            return
         name = (getattr(message, "headers", None) or {}).get("task", "?")
         self._garbage(message, "UnknownTask", f"no stage named {str(name)[:200]!r} is registered")
         message.reject_log_error(log, self.connection_errors)
 
     def on_invalid_task(self, body: Any, message: Any, exc: Exception) -> None:
+        if self._left_to_others(message):
+            return
         self._garbage(message, type(exc).__name__, f"invalid task message: {str(exc)[:300]}")
         message.reject_log_error(log, self.connection_errors)
 
     def on_decode_error(self, message: Any, exc: Exception) -> None:
+        if self._left_to_others(message):
+            return
         self._garbage(message, "DecodeError", f"message body could not be decoded: {str(exc)[:300]}")
         message.ack()
 

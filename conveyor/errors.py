@@ -11,7 +11,8 @@
      ├── PermanentError            dead-lettered at once, never retried
      │    ├── PayloadInvalid       the payload does not match the stage's model
      │    └── GarbageMessage       a message no stage can run (unknown name, undecodable body,
-     │                             forbidden content type); recorded with headers, never body
+     │         │                   forbidden content type); recorded with headers, never body
+     │         └── TaskIdRefused   a plain Celery message whose task id cannot be its job's id
      ├── Interrupted               the job stops early at a checkpoint; not a failure
      │    ├── Preempted            a higher-priority job needs the lease: requeued, no attempt
      │    └── Cancelled            cancel() was called: the job ends ``cancelled``
@@ -77,6 +78,16 @@ class PayloadInvalid(PermanentError):
 
 class GarbageMessage(PermanentError):
     """A broker message that no stage can run."""
+
+
+class TaskIdRefused(GarbageMessage):
+    """A message sent without a job (``send_task`` by name) whose task id cannot be its
+    job's id: longer than a job id, or already the id of a job of another stage
+    (``taken_by``, that job's stage)."""
+
+    def __init__(self, message: str, *, taken_by: str | None = None) -> None:
+        super().__init__(message)
+        self.taken_by = taken_by
 
 
 class Interrupted(ConveyorError):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 from celery import Task
@@ -29,11 +28,11 @@ from conveyor.errors import (
     Interrupted,
     PayloadInvalid,
     SkipJob,
+    TaskIdRefused,
     is_connection_loss,
     is_stopped_by_worker,
 )
 from conveyor.flow import Flow
-from conveyor.followers import has_flow
 from conveyor.heartbeat import Heartbeat
 from conveyor.leases import Leases
 from conveyor.metrics import Metrics
@@ -76,6 +75,7 @@ class Runner:
         self.flow = flow
         self.metrics = metrics
         self.context_services = ContextServices(connections, store, stops)
+        self.queue_names = frozenset(q.name for q in connections.queues)
         # Copies of jobs that were not run (duplicates, ended, not due): job, reason, task id.
         self.discarded_stream = f"{connections.settings.key_prefix}discarded"
 
@@ -97,6 +97,7 @@ class Runner:
         store = self.store
         owner = lease_owner()
         slot = None
+        refused: PayloadInvalid | None = None
         try:
             job_id = _header(req, JOB_HEADER)
             if job_id is not None:
@@ -109,10 +110,18 @@ class Runner:
             if claim is None:
                 with self.connections.engine.begin() as conn:
                     if job_id is None:
-                        job_id = self._adopt(conn, spec, req, args, kwargs)
+                        job_id, refused = self._adopt(conn, spec, req, args, kwargs)
                     claim = store.claim(conn, job_id, owner=owner, task_id=req.id)
                     if claim.took_over and claim.job is not None:
                         self.flow.record_stalled(conn, claim.job, int(claim.job["attempts"]) - 1)
+        except TaskIdRefused as exc:
+            try:
+                self.record_garbage(type(exc).__name__, str(exc), _headers_of(req))
+            except Exception:  # the error still reaches the caller (or the log) below
+                log.warning("could not record a refused task id in the DLQ", exc_info=True)
+            if exc.taken_by is not None:
+                raise Ignore() from None  # a failure stored now would overwrite that job's outcome
+            raise  # Celery stores it under this task id: the caller's get() raises it
         except Exception as exc:
             if not is_connection_loss(exc):
                 raise
@@ -121,6 +130,13 @@ class Runner:
             time.sleep(self.connections.settings.infra_backoff)
             raise Reject(exc, requeue=True) from None
 
+        if refused is not None:
+            # Dead-lettered at adoption: the caller's AsyncResult hears of it as of a task
+            # that raised (Celery stores the failure under this task id, the job's id).
+            assert job_id is not None
+            self.metrics.inc("dead", spec.name)
+            self.flow.finished(job_id, s.DEAD)
+            raise refused
         job = claim.job
         if claim.outcome is ClaimOutcome.RUN:
             assert job is not None
@@ -148,7 +164,7 @@ class Runner:
         Over a limit, the job is parked ``throttled`` (visible, never dropped) and this
         delivery is acked; the relay publishes the job again when its ``run_at`` comes.
         """
-        queue = _queue_of(req, spec)
+        queue = _queue_of(req, spec, self.queue_names)
         rate = self.connections.settings.rate_limits.get(queue)
         if rate is None and spec.concurrency is None:
             return None
@@ -286,12 +302,33 @@ class Runner:
 
     def _adopt(
         self, conn: Any, spec: StageSpec, req: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> str:
+    ) -> tuple[str, PayloadInvalid | None]:
         """Create the row for a message published without one (``send_task`` by name).
 
-        It goes through the same validation and deduplication as ``submit()``; a duplicate
-        returns the holder's id, whose own message runs it (this copy is skipped).
+        The job's id is the message's task id, so the caller finds its job, and its
+        ``AsyncResult`` is stored under it. A task id seen before is the same job (a
+        redelivery, or a caller reusing the id), whatever the payload. The message goes
+        through the same validation and deduplication as ``submit()``; a duplicate of a
+        live holder follows it (its caller waits on this id). Returns the job id and, for
+        a payload refused here (the job is dead-lettered at once), the error.
         """
+        task_id = str(req.id)
+        if len(task_id) > s.JOB_ID_LENGTH:
+            raise TaskIdRefused(
+                f"task id {task_id[:80]!r} is {len(task_id)} characters long: a task sent without a "
+                f"job becomes the job of that id, at most {s.JOB_ID_LENGTH} characters (send it with "
+                "a shorter task_id, or none: Celery makes a UUID)"
+            )
+        store = self.store
+        existing = store.get(conn, task_id)
+        if existing is not None:
+            if existing["stage"] != spec.name:
+                raise TaskIdRefused(
+                    f"task id {task_id!r} is already the id of a job of stage {existing['stage']}: "
+                    f"this {spec.name} message was not run; send it with a new task id",
+                    taken_by=str(existing["stage"]),
+                )
+            return task_id, None
         options = {
             "chain": req.chain,
             "chord": req.chord,
@@ -303,19 +340,18 @@ class Runner:
             "root_id": req.root_id,
         }
         new = NewJob(
-            id=str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:adopt:{req.id}")),
+            id=task_id,
             stage=spec.name,
-            queue=_queue_of(req, spec),
+            queue=_queue_of(req, spec, self.queue_names),
             payload={},
             max_attempts=spec.max_attempts,
             label=spec.name,
-            origin_task_id=req.id,
+            origin_task_id=task_id,
             options={k: v for k, v in options.items() if v is not None},
         )
-        # A deduplicated message that carries a flow (chain, callbacks, chord) follows the
-        # holder, so what hangs off it runs with the holder's result.
-        new.follow = has_flow(new.options)
-        store = self.store
+        # The caller holds an AsyncResult of this task id: a duplicate follows the holder
+        # and takes its outcome, as a call with a canvas-fixed task id does.
+        new.follow = True
         raw: Any = {}
         try:
             raw = payload_from_call(args, kwargs)
@@ -324,24 +360,23 @@ class Runner:
         except PayloadInvalid as exc:
             new.payload = kept_if_small(raw, exc)
             _, created = store.insert(conn, new)
-            if created:
-                store.emit(conn, [new_event(new.id, "job.adopted", {"stage": spec.name})])
-                row = store.get(conn, new.id)
-                assert row is not None
-                store.dead_letter(
-                    conn,
-                    row,
-                    error_type=type(exc).__name__,
-                    message=str(exc),
-                    tb_text=None,
-                    from_status=(s.QUEUED,),
-                )
-            return new.id
+            if not created:
+                return new.id, None  # a copy adopted it a moment ago
+            store.emit(conn, [new_event(new.id, "job.adopted", {"stage": spec.name})])
+            row = store.get(conn, new.id)
+            assert row is not None
+            store.dead_letter(
+                conn,
+                row,
+                error_type=type(exc).__name__,
+                message=str(exc),
+                tb_text=None,
+                from_status=(s.QUEUED,),
+            )
+            return new.id, exc
         new.payload = data
         new.label = spec.label_for(payload)
         plan = self.recorder.dedup_plan(spec, payload, None, "never")
-        if plan is not None and store.get(conn, new.id) is not None:
-            return new.id  # a redelivery of a message adopted before
         now = self.deduper.clock() if plan is not None else 0.0
         if plan is not None:
             new.dedup_key = plan.dedup_id
@@ -350,7 +385,7 @@ class Runner:
         job_id, created = self.recorder.record(conn, new, plan, now, self.connections.broker.epoch())
         if created:
             store.emit(conn, [new_event(job_id, "job.adopted", {"stage": spec.name})])
-        return job_id
+        return job_id, None
 
     def _record_skip(self, job_id: str, outcome: ClaimOutcome, task_id: str) -> None:
         """A copy that must not run (a duplicate, or the job ended or is not due): no
@@ -400,9 +435,18 @@ def _header(req: Any, name: str) -> str | None:
     return str(value) if value else None
 
 
-def _queue_of(req: Any, spec: StageSpec) -> str:
+def _queue_of(req: Any, spec: StageSpec, known: Container[str]) -> str:
+    """The queue a delivery came from, if it is one of the deployment's, else the stage's
+    own (Celery's default queue is no home for a job: the relay republishes to this)."""
     info = getattr(req, "delivery_info", None) or {}
-    return str(info.get("routing_key") or spec.queue)
+    routing_key = info.get("routing_key")
+    return str(routing_key) if routing_key in known else spec.queue
+
+
+def _headers_of(req: Any) -> dict[str, Any]:
+    """What a DLQ entry keeps of a delivery: its headers, never its body."""
+    names = ("id", "task", "root_id", "parent_id", "group", "retries", "delivery_info")
+    return {name: getattr(req, name, None) for name in names}
 
 
 def _short(value: Any) -> Any:

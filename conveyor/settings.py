@@ -89,6 +89,17 @@ class ConveyorSettings(BaseSettings):
     throttle_wait: float = Field(
         0.5, description="how long a job of a stage at its concurrency cap is parked"
     )
+    consume_default_queue: bool = Field(
+        False,
+        description="workers also consume Celery's default queue `celery` (plain `send_task` "
+        "without a route); a message there that is not a stage is requeued untouched",
+    )
+    default_queue_pause: float = Field(
+        1.0,
+        gt=0,
+        description="after requeueing a message of the default queue that is not a stage, a "
+        "worker leaves that queue to other consumers this long",
+    )
 
     preempt_grace: float = Field(2.0, description="a stopped holder's time to checkpoint before escalation")
     preempt_wait_budget: float = Field(30.0, description="longest a preemptor waits in its slot")

@@ -15,6 +15,7 @@ from celery.worker.control import control_command
 from redis import Redis
 
 from conveyor import registry
+from conveyor.celeryconfig import celery_default_queue
 from conveyor.connections import Connections
 from conveyor.errors import ConfigurationError
 from conveyor.heartbeat import INTERRUPT_SIGNAL, Heartbeat
@@ -88,6 +89,9 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.relay: Relay | None = None
         self.worker_id = f"{worker.hostname}:{os.getpid()}"
         self._record: Any = None
+        if self.host.settings.consume_default_queue:
+            # After the worker chose its queues (-Q or all declared): one more, as with -Q.
+            worker.app.amqp.queues.select_add(celery_default_queue())
 
     def start(self, worker: Any) -> None:
         host = self.host

@@ -51,11 +51,13 @@ WAITING_DEDUP = "waiting_dedup"
 TERMINAL = frozenset({SUCCEEDED, DEAD, CANCELLED, EXPIRED, SKIPPED})
 THROTTLED = "throttled"  # over a rate limit or concurrency cap: parked until run_at
 CLAIMABLE = (QUEUED, RETRYING, THROTTLED)
+# A job id: a UUID. A plain Celery message adopted by a worker keeps its task id as job id.
+JOB_ID_LENGTH = 36
 
 jobs = Table(
     own("jobs"),
     metadata,
-    Column("id", String(36), primary_key=True),
+    Column("id", String(JOB_ID_LENGTH), primary_key=True),
     Column("stage", String(200), nullable=False),
     Column("queue", String(100), nullable=False),
     Column("status", String(20), nullable=False),
