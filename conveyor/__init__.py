@@ -19,6 +19,7 @@ from conveyor.errors import (
     PermanentError,
     Preempted,
     SubmitFailed,
+    TaskIdRefused,
     TransientError,
     UnknownStage,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "Preempted",
     "Schedule",
     "SubmitFailed",
+    "TaskIdRefused",
     "TransientError",
     "UnknownStage",
     "connect",

@@ -195,6 +195,8 @@ try:
     client.submit("conveyor.demo.sqaure", {"n": 1})
 except conveyor.UnknownStage as exc:
     print("refused:", exc)
+from conveyor.contrib.celery import router
+print("routed to:", router(client)("conveyor.demo.square", (), {}, {})["queue"].name)
 worker_side = {"conveyor.platform", "conveyor.runner", "conveyor.heartbeat", "conveyor.worker",
                "conveyor.relay"}
 print("loaded:", sorted(m for m in sys.modules if m in worker_side or m.split(".")[0] in {"config", "tasks"}))
@@ -231,4 +233,5 @@ def test_a_client_only_install_submits_by_name(
     lines = done.stdout.splitlines()
     assert lines[0] == "succeeded 144"
     assert lines[1].startswith("refused:") and "conveyor.demo.square" in lines[1]
-    assert lines[2] == "loaded: []", lines[2]
+    assert lines[2] == "routed to: demo", lines[2]
+    assert lines[3] == "loaded: []", lines[3]

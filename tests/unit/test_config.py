@@ -65,3 +65,19 @@ def test_stage_declaration_refuses_long_limit() -> None:
         platform.stage("conveyor.t.lost", payload=P, queue="nowhere")(lambda ctx, p: None)
     with pytest.raises(ConfigurationError, match=r"conveyor\.<family>\.<verb>"):
         platform.stage("Bad Name", payload=P)(lambda ctx, p: None)
+
+
+def test_the_default_queue_is_the_one_a_plain_celery_app_sends_to() -> None:
+    from celery import Celery
+
+    from conveyor.celeryconfig import celery_default_queue
+
+    app = Celery("plain", set_as_current=False)
+    plain = app.amqp.queues[app.conf.task_default_queue]
+    ours = celery_default_queue()
+    assert (ours.name, ours.exchange.name, ours.routing_key) == (
+        plain.name,
+        plain.exchange.name,
+        plain.routing_key,
+    )
+    assert ConveyorSettings().consume_default_queue is False  # opt-in
