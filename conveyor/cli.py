@@ -12,7 +12,10 @@ import socket
 import typer
 
 from conveyor import cli_output as out
-from conveyor import cli_run  # noqa: F401  (registers up, worker, beat, flower and demo)
+from conveyor import (
+    cli_run,  # noqa: F401  (registers up, worker, beat, flower and demo)
+    cli_web,  # noqa: F401  (registers serve, openapi and tokens)
+)
 from conveyor.cli_common import (
     cli,
     db_cli,

@@ -44,6 +44,7 @@ from conveyor.errors import PayloadInvalid, SubmitFailed, UnknownStage, describe
 from conveyor.followers import Followers
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
+from conveyor.owners import owned_key
 from conveyor.recorder import Recorder
 from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
@@ -194,6 +195,7 @@ class Client:
         max_attempts: int | None = None,
         dedup: Literal[False] | None = None,
         reuse: Reuse = "never",
+        owner: str | None = None,
     ) -> JobHandle:
         """Record a job of stage ``stage`` and publish it after commit (as
         :meth:`conveyor.platform.Platform.submit`, whose options these are).
@@ -201,8 +203,11 @@ class Client:
         Raises :class:`conveyor.errors.UnknownStage` (with close names),
         :class:`conveyor.errors.PayloadInvalid` (naming each bad field),
         :class:`conveyor.errors.SubmitFailed` (the database failed). ``dedup=False``
-        turns the stage's declared dedup policy off for this submit.
+        turns the stage's declared dedup policy off for this submit. ``owner`` names whose
+        job it is (an HTTP token of that owner sees it) and scopes ``idempotency_key`` to
+        that owner (:class:`conveyor.errors.OwnerInvalid` for a name that is not plain).
         """
+        key = owned_key(owner, idempotency_key)
         try:
             spec = self.stage(stage)
         except (DBAPIError, PoolTimeout) as exc:
@@ -226,7 +231,8 @@ class Client:
             max_attempts=max_attempts or spec.max_attempts,
             priority=spec.priority if priority is None else priority,
             label=label or spec.name.rsplit(".", 1)[-1],
-            idempotency_key=idempotency_key,
+            idempotency_key=key,
+            owner=owner,
             delay=max(0.0, delay),
             expires_in=expires_in,
             run_at=utc_or_none(run_at),

@@ -112,6 +112,7 @@ class AsyncClient:
         max_attempts: int | None = None,
         dedup: Literal[False] | None = None,
         reuse: Reuse = "never",
+        owner: str | None = None,
     ) -> AsyncJobHandle:
         """Record a job of stage ``stage`` and publish it after commit."""
         handle = await asyncio.to_thread(
@@ -127,6 +128,7 @@ class AsyncClient:
             max_attempts=max_attempts,
             dedup=dedup,
             reuse=reuse,
+            owner=owner,
         )
         return AsyncJobHandle(handle)
 

@@ -84,6 +84,7 @@ class Continuations:
             origin_task_id=job_id,
             flow_id=parent["flow_id"],
             parent_id=parent["id"],
+            owner=parent.get("owner"),  # a flow's next link stays its owner's
             invalid=invalid,
         )
         if invalid is None:

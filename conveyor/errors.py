@@ -23,6 +23,8 @@
      │    └── UnknownStage         a client named a stage the stage registry does not hold;
      │                             the message lists close names
      ├── NotRunning                a command needs ``conveyor up`` (or URLs) and found neither
+     ├── OwnerInvalid              an owner name that is not a plain name (letters, digits, ._@+-)
+     ├── ScopeInvalid              a token scope that is not read, submit or admin
      └── SubmitFailed              submit could not record the job: its database failed (an
                                    outage, a timeout). Redis never fails a submit
 
@@ -42,6 +44,7 @@ job is dead-lettered with "infrastructure kept failing".
 from __future__ import annotations
 
 import signal
+from collections.abc import Sequence
 from typing import Literal
 
 import redis.exceptions
@@ -73,7 +76,12 @@ class PermanentError(ConveyorError):
 
 
 class PayloadInvalid(PermanentError):
-    """The payload failed the stage's model validation."""
+    """The payload failed the stage's model validation. ``problems``, when the check knows
+    them (a client's JSON Schema check), holds one ``field: what is wrong`` line each."""
+
+    def __init__(self, message: str, *, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
 
 
 class GarbageMessage(PermanentError):
@@ -127,6 +135,15 @@ class UnknownStage(ConfigurationError):
 
 class NotRunning(ConveyorError):
     """No services are configured and ``conveyor up`` is not running."""
+
+
+class OwnerInvalid(ConveyorError, ValueError):
+    """An owner name (of a token, or ``owner=`` at submit) that is not 1-64 letters, digits
+    and ``._@+-``, starting with a letter or digit. Raised before anything is written."""
+
+
+class ScopeInvalid(ConveyorError, ValueError):
+    """A token scope that is not ``read``, ``submit`` or ``admin`` (or no scope at all)."""
 
 
 class SubmitFailed(ConveyorError):

@@ -306,6 +306,7 @@ class Platform:
         max_attempts: int | None = None,
         dedup: Dedup | Literal[False] | None = None,
         reuse: Reuse = "never",
+        owner: str | None = None,
     ) -> JobHandle:
         """Record a job and publish it after commit (see :meth:`Submitter.submit`)."""
         return self.submitter.submit(
@@ -321,6 +322,7 @@ class Platform:
             max_attempts=max_attempts,
             dedup=dedup,
             reuse=reuse,
+            owner=owner,
         )
 
     def enlisted(self, session: Session | scoped_session[Any]) -> AbstractContextManager[Session]:

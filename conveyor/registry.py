@@ -247,14 +247,18 @@ class RegisteredStage:
         only by the worker, which dead-letters the job with ``PayloadInvalid``.
         """
         if not isinstance(payload, Mapping):
-            raise PayloadInvalid(f"invalid payload for {self.name}: payload: Input should be an object")
+            raise PayloadInvalid(
+                f"invalid payload for {self.name}: payload: Input should be an object",
+                problems=("payload: Input should be an object",),
+            )
         try:
             data = to_jsonable_python(dict(payload))
         except PydanticSerializationError as exc:
             raise PayloadInvalid(f"invalid payload for {self.name}: payload: not JSON data ({exc})") from None
         problems = readable_schema_errors(itertools.islice(self._validator.iter_errors(data), 50))
         if problems:
-            raise PayloadInvalid(f"invalid payload for {self.name}: " + "; ".join(problems))
+            message = f"invalid payload for {self.name}: " + "; ".join(problems)
+            raise PayloadInvalid(message, problems=problems)
         for key, prop in self._properties.items():
             if key not in data and isinstance(prop, Mapping) and "default" in prop:
                 data[key] = copy.deepcopy(prop["default"])
@@ -302,11 +306,12 @@ class RegisteredStage:
             return policy.resolve_data(self.name, data)
         except ValidationError as exc:
             problems = [f"{name}: {e['msg']}" for e in exc.errors(include_input=False, include_url=False)]
-            raise PayloadInvalid(f"invalid payload for {self.name}: " + "; ".join(problems)) from None
-        except KeyError as exc:
             raise PayloadInvalid(
-                f"invalid payload for {self.name}: {exc.args[0]}: Field required (the dedup key reads it)"
+                f"invalid payload for {self.name}: " + "; ".join(problems), problems=problems
             ) from None
+        except KeyError as exc:
+            problem = f"{exc.args[0]}: Field required (the dedup key reads it)"
+            raise PayloadInvalid(f"invalid payload for {self.name}: {problem}", problems=(problem,)) from None
 
 
 def load(bind: Engine | Connection) -> dict[str, RegisteredStage]:

@@ -52,7 +52,8 @@ class NewJob:
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     priority: int = 0
     label: str | None = None
-    idempotency_key: str | None = None
+    idempotency_key: str | None = None  # as stored: an owner's is scoped (conveyor.owners)
+    owner: str | None = None
     delay: float = 0.0  # relative: added to the database's clock
     expires_in: float | None = None
     run_at: dt.datetime | None = None  # absolute: stored as given (wins over delay)
@@ -101,6 +102,7 @@ class JobStore(Claims):
             "payload": job.payload,
             "label": job.label,
             "idempotency_key": job.idempotency_key,
+            "owner": job.owner,
             "attempts": 0,
             "max_attempts": job.max_attempts,
             "run_at": job.run_at or (db_now_plus(job.delay) if job.delay > 0 else db_now()),
@@ -156,6 +158,7 @@ class JobStore(Claims):
             "broker_epoch": job.published_epoch,
             "dedup_key": job.dedup_key,
             "dedup_seq": job.dedup_seq,
+            "owner": job.owner,
             "event": {"stage": job.stage},
         }
         return conn.execute(pg_statements(conn).submit, params).first() is not None

@@ -37,6 +37,7 @@ from conveyor.errors import ConfigurationError, SubmitFailed, describe, is_conne
 from conveyor.followers import Settles, has_flow
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
+from conveyor.owners import owned_key
 from conveyor.recorder import Recorder
 from conveyor.stage import StageSpec, payload_from_call, signature_options
 from conveyor.stages import Stages
@@ -99,6 +100,7 @@ class Submitter:
         max_attempts: int | None = None,
         dedup: Dedup | Literal[False] | None = None,
         reuse: Reuse = "never",
+        owner: str | None = None,
     ) -> JobHandle:
         """Record a job and publish it after commit. Returns a :class:`JobHandle`.
 
@@ -108,8 +110,10 @@ class Submitter:
         ``idempotency_key`` seen before returns the existing job (any state) with
         ``deduplicated=True``. ``dedup`` overrides the stage's declared policy (``False``
         turns it off); ``reuse`` applies to deterministic ids. A duplicate never raises:
-        it returns the holder's handle.
+        it returns the holder's handle. ``owner`` is recorded with the job (who may see it
+        over HTTP); it scopes ``idempotency_key`` to that owner (:mod:`conveyor.owners`).
         """
+        key = owned_key(owner, idempotency_key)
         spec = self.stages.spec(stage)
         data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
         model = spec.validate(data)
@@ -120,7 +124,8 @@ class Submitter:
             max_attempts=max_attempts or spec.max_attempts,
             priority=spec.priority if priority is None else priority,
             label=label or spec.label_for(model),
-            idempotency_key=idempotency_key,
+            idempotency_key=key,
+            owner=owner,
             delay=max(0.0, delay),
             expires_in=expires_in,
             run_at=utc_or_none(run_at),

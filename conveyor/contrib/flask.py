@@ -189,6 +189,7 @@ class Conveyor:
         max_attempts: int | None = None,
         dedup: Literal[False] | None = None,
         reuse: Reuse = "never",
+        owner: str | None = None,
     ) -> JobHandle:
         """Submit a job of stage ``stage`` (see :meth:`conveyor.Client.submit`). With
         ``session=db.session`` it joins the request's transaction and is published only
@@ -206,6 +207,7 @@ class Conveyor:
             max_attempts=max_attempts,
             dedup=dedup,
             reuse=reuse,
+            owner=owner,
         )
 
     def job(self, job_id: str) -> JobHandle:

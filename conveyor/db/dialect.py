@@ -364,7 +364,7 @@ def _pg_statements(schema: str) -> PgStatements:
       INSERT INTO {s}jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
                         max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
                         created_at, updated_at, celery_task_id, published_at, broker_epoch,
-                        dedup_key, dedup_seq)
+                        dedup_key, dedup_seq, owner)
       VALUES (:id, :stage, :queue, 'queued', :priority, :payload, :label, :idempotency_key, 0,
               :max_attempts, clock_timestamp() + make_interval(secs => :delay),
               CASE WHEN CAST(:expires_in AS float8) IS NULL THEN NULL
@@ -372,7 +372,7 @@ def _pg_statements(schema: str) -> PgStatements:
               :flow_id, :parent_id, :options, :origin_task_id, clock_timestamp(), clock_timestamp(),
               :celery_task_id,
               CASE WHEN CAST(:broker_epoch AS text) IS NULL THEN NULL ELSE clock_timestamp() END,
-              :broker_epoch, :dedup_key, :dedup_seq)
+              :broker_epoch, :dedup_key, :dedup_seq, :owner)
       ON CONFLICT DO NOTHING
       RETURNING id
     )

@@ -109,6 +109,17 @@ def _qualified(name: str, schema: str | None) -> str:
     return f'"{schema}"."{name}"' if schema else f'"{name}"'
 
 
+def own_table(name: str) -> str:
+    """In a migration after 0011: the name of Conveyor's table ``name`` as it exists now.
+    On Postgres the bare name (the migration's search_path starts with Conveyor's schema);
+    on SQLite the prefixed one (``conveyor_jobs``), which Alembic's ops do not add."""
+    conn = op.get_bind()
+    if conn.dialect.name != "sqlite":
+        return name
+    schema: str = op.get_context().config.attributes[SCHEMA_KEY]  # type: ignore[union-attr]
+    return sqlite_prefix(schema) + name
+
+
 def adopt(
     tables: Sequence[str],
     *,

@@ -100,6 +100,9 @@ jobs = Table(
     Column("lease_key", String(200), nullable=True),
     Column("preempt_requested_at", Timestamp(), nullable=True),
     Column("interrupt_sent_at", Timestamp(), nullable=True),
+    # Who the job belongs to (an HTTP token's owner, or ``owner=`` at submit); NULL for the
+    # deployment's own jobs. A token sees only its owner's jobs unless it is ``admin``.
+    Column("owner", String(64), nullable=True),
     Index(
         "ix_jobs_due",
         "run_at",
@@ -113,6 +116,7 @@ jobs = Table(
     Index("ix_jobs_finished", "finished_at"),
     Index("ix_jobs_celery_task", "celery_task_id"),
     Index("ix_jobs_parked", "lease_key", "status", "priority"),
+    Index("ix_jobs_owner_created", "owner", "created_at"),
 )
 
 job_events = Table(
@@ -232,6 +236,22 @@ stages = Table(
     Column("preemptable", Boolean, nullable=False, default=False),
     Column("payload_schema", JSON, nullable=False),  # the payload model's JSON Schema
     Column("updated_at", Timestamp(), nullable=False),  # when the row last changed
+)
+
+# Bearer tokens of the HTTP API (see conveyor.tokens): only a SHA-256 of each secret is
+# kept; ``scopes`` is space-separated (``read submit``), ``revoked_at`` set ends it.
+tokens = Table(
+    own("tokens"),
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("owner", String(64), nullable=False),
+    Column("name", String(200), nullable=True),
+    Column("scopes", String(200), nullable=False),
+    Column("secret_hash", String(64), nullable=False),
+    Column("created_at", Timestamp(), nullable=False),
+    Column("revoked_at", Timestamp(), nullable=True),
+    Column("last_used_at", Timestamp(), nullable=True),
+    Index("ix_tokens_owner", "owner"),
 )
 
 
