@@ -21,6 +21,7 @@ from conveyor.db.schema import tokens
 from conveyor.settings import ConveyorSettings
 from conveyor.web import jobs, problems
 from conveyor.web.auth import client_of
+from conveyor.web.limits import BodyLimit, body_limit
 from conveyor.web.problems import MEDIA_TYPE, unavailable
 
 TITLE = "Conveyor"
@@ -60,6 +61,7 @@ def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> F
         redoc_url=None,
     )
     app.state.conveyor_client = client
+    app.add_middleware(BodyLimit, max_bytes=body_limit(client.settings.max_payload_bytes))
     problems.install(app)
     app.include_router(jobs.router)
     app.add_api_route(

@@ -12,6 +12,8 @@ from conveyor.db.schema import Row
 from conveyor.handle import JobEvent
 from conveyor.owners import callers_key
 
+TEN_YEARS = 10 * 365 * 86400.0  # bounds on relative times (the database's intervals overflow far later)
+
 
 class SubmitRequest(BaseModel):
     """A job to submit by stage name (the options of :meth:`conveyor.Client.submit`)."""
@@ -28,10 +30,12 @@ class SubmitRequest(BaseModel):
         max_length=128,
         description="a key seen before (for this owner) returns the job it made, whatever the payload",
     )
-    delay: float = Field(0.0, ge=0, description="seconds from now (the database's clock)")
+    delay: float = Field(0.0, ge=0, le=TEN_YEARS, description="seconds from now (the database's clock)")
     run_at: dt.datetime | None = Field(None, description="when to run it (naive means UTC); wins over delay")
-    expires_in: float | None = Field(None, gt=0, description="seconds after which it is not run any more")
-    priority: int | None = Field(None, description="default: the stage's")
+    expires_in: float | None = Field(
+        None, gt=0, le=TEN_YEARS, description="seconds after which it is not run any more"
+    )
+    priority: int | None = Field(None, ge=-(2**31), le=2**31 - 1, description="default: the stage's")
     label: str | None = Field(None, max_length=200, description="a short label for people (no PII)")
     max_attempts: int | None = Field(None, ge=1, le=1000, description="default: the stage's")
     dedup: bool = Field(True, description="false turns the stage's declared dedup policy off")

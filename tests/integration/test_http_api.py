@@ -219,8 +219,24 @@ def test_malformed_requests_are_problems_too(http: TestClient, token: Token, tag
     assert problem(extra, 422, "invalid-request")["errors"][0]["field"] == "body.owner"
     negative = http.post("/jobs", json={"stage": "conveyor.demo.square", "delay": -1}, headers=headers)
     assert "input" not in problem(negative, 422)["errors"][0]
+    huge = http.post("/jobs", json={"stage": "conveyor.demo.square", "priority": 2**40}, headers=headers)
+    assert problem(huge, 422, "invalid-request")["errors"][0]["field"] == "body.priority"
     problem(http.get("/no/such/route"), 404)
     problem(http.delete("/jobs", headers=headers), 405)
+
+
+def test_large_bodies_are_refused_before_parsing(http: TestClient, token: Token, tag: str) -> None:
+    headers = {**auth(token(f"alice-{tag}")), "Content-Type": "application/json"}
+    blob = b'{"stage": "conveyor.demo.square", "payload": {"n": 1, "x": "' + b"a" * 2_000_000 + b'"}}'
+    problem(http.post("/jobs", content=blob, headers=headers), 413, "too-large")
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it arrives
+        for start in range(0, len(blob), 65536):
+            yield blob[start : start + 65536]
+
+    problem(http.post("/jobs", content=chunks(), headers=headers), 413, "too-large")
+    over = {"stage": "conveyor.demo.square", "payload": {"n": 1, "pad": "a" * 70_000}}
+    assert "conveyor.demo.square" in problem(http.post("/jobs", json=over, headers=headers), 413)["detail"]
 
 
 def test_cancel_records_the_token_and_is_idempotent(

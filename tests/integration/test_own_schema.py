@@ -66,14 +66,14 @@ def test_beside_an_app_everything_goes_into_the_conveyor_schema(platform: Any, w
     with postgres() as (url, engine):
         an_app_of_its_own(engine)
         upgrade(engine)
-        assert OURS | {"alembic_version"} <= tables_in(engine, "conveyor")
+        assert OURS | {"alembic_version", "tokens"} <= tables_in(engine, "conveyor")
         assert tables_in(engine, "public") == {"jobs", "alembic_version"}
         with engine.connect() as conn:
             assert conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars().all() == [
                 "app_0007"
             ]
             heads = set(conn.execute(text("SELECT version_num FROM conveyor.alembic_version")).scalars())
-            assert {"0011", "d002", "f004"} <= heads
+            assert {"0012", "d002", "f004"} <= heads
             functions = conn.execute(
                 text("SELECT proname FROM pg_proc WHERE pronamespace = 'public'::regnamespace")
             ).scalars()
@@ -226,7 +226,7 @@ def test_each_deployment_upgrades_the_branches_it_has(tmp_path: Path) -> None:
         assert after == before and {"d002", "f004"} <= after
         with engine.begin() as conn:  # as if a newer Conveyor had added its 0099
             conn.execute(
-                text("UPDATE conveyor_alembic_version SET version_num = '0099' WHERE version_num = '0011'")
+                text("UPDATE conveyor_alembic_version SET version_num = '0099' WHERE version_num = '0012'")
             )
         with pytest.raises(ConfigurationError, match="newer Conveyor"):
             platform_upgrade(engine)

@@ -1,0 +1,73 @@
+"""A bound on request bodies: a submit carries a payload of at most
+``CONVEYOR_MAX_PAYLOAD_BYTES``, so a body much larger than that is refused (413) before
+anything parses it, whether it declares its length or comes in chunks."""
+
+from __future__ import annotations
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from conveyor.web.problems import MEDIA_TYPE
+
+SLACK = 64 * 1024  # the submit's other fields, JSON escapes
+
+
+def body_limit(max_payload_bytes: int) -> int:
+    """The largest request body accepted when payloads are bounded by ``max_payload_bytes``:
+    room for the payload written with JSON escapes, so a payload slightly over its bound is
+    still answered by the client's own check (413, naming the stage)."""
+    return 4 * max_payload_bytes + SLACK
+
+
+class BodyLimit:
+    """ASGI middleware: read a request's body up to ``max_bytes`` (413 past it), then hand
+    it to the app in one piece."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = bool(message.get("more_body", False))
+        whole: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = {
+            "type": "urn:conveyor:problem:too-large",
+            "title": "Content Too Large",
+            "status": 413,
+            "detail": f"a request body may hold at most {self.max_bytes} bytes",
+            "instance": scope.get("path", ""),
+        }
+        await JSONResponse(body, status_code=413, media_type=MEDIA_TYPE)(scope, receive, send)
+
+
+__all__ = ["BodyLimit", "body_limit"]
