@@ -145,10 +145,9 @@ def tokens_create(
             out.print_json({**_record(token), "token": created.secret})
             return 0
         # The secret alone on stdout (TOKEN=$(conveyor tokens create ...)); the rest on stderr.
-        err.print(
+        out.status(
             f"token {token.id} for {token.owner} ({' '.join(sorted(token.scopes))}); "
-            "keep it now, it is not shown again:",
-            markup=False,
+            "keep it now, it is not shown again:"
         )
         out.print_lines([created.secret])
         return 0

@@ -105,7 +105,9 @@ class Job(BaseModel):
     attempts: Attempts
     progress: Any = None
     result: Any = Field(None, description="a succeeded (or skipped) job's result")
-    error: JobError | None = None
+    error: JobError | None = Field(
+        None, description="the last failure (kept by a job that succeeded on a retry)"
+    )
     cancel: Cancellation | None = None
     created_at: dt.datetime
     updated_at: dt.datetime
