@@ -22,7 +22,7 @@ from conveyor.settings import ConveyorSettings
 from conveyor.web import jobs, problems
 from conveyor.web.auth import client_of
 from conveyor.web.limits import BodyLimit, body_limit
-from conveyor.web.problems import MEDIA_TYPE, unavailable
+from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
 
 TITLE = "Conveyor"
 DESCRIPTION = (
@@ -86,9 +86,9 @@ def health(request: Request) -> dict[str, str]:
             conn.execute(text("SELECT 1"))
             migrated = table_exists(conn, tokens)
     except Exception as exc:
-        raise unavailable("the database did not answer") from exc
+        raise unavailable("the database did not answer; try again") from exc
     if not migrated:
-        raise unavailable("the database has no Conveyor tables of this version: run `conveyor db upgrade`")
+        raise unavailable(NOT_MIGRATED)
     return {"status": "ok"}
 
 

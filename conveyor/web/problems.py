@@ -109,6 +109,15 @@ def field_errors(lines: Sequence[str], *, under: str) -> list[dict[str, str]]:
     return out
 
 
+NOT_MIGRATED = "the database lacks Conveyor's tables of this version: run `conveyor db upgrade`"
+
+
+def _missing_table(exc: Exception) -> bool:
+    """Postgres' undefined_table, or SQLite's "no such table": a database not upgraded."""
+    orig = getattr(exc, "orig", None)
+    return getattr(orig, "sqlstate", None) == "42P01" or "no such table" in str(orig)
+
+
 def unavailable(detail: str) -> Problem:
     """503: the database did not answer; nothing was done, try again."""
     return Problem(503, "unavailable", "Service unavailable", detail, headers={"Retry-After": RETRY_AFTER})
@@ -170,6 +179,8 @@ def install(app: FastAPI) -> None:
 
     async def on_database(request: Request, exc: Exception) -> JSONResponse:
         log.warning("database unavailable: %s", describe(exc))
+        if _missing_table(exc):
+            return problem_response(request, unavailable(NOT_MIGRATED))
         return problem_response(request, unavailable("the database did not answer; try again"))
 
     async def on_anything(request: Request, exc: Exception) -> JSONResponse:
