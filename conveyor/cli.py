@@ -41,7 +41,7 @@ def db_upgrade(wait: float = wait_option()) -> None:
 
     def main() -> int:
         migrate(load_platform())
-        console.print("database is up to date")
+        console.print("migrated: the database is up to date")
         return 0
 
     run_command(main, wait=wait)

@@ -29,6 +29,7 @@ from sqlalchemy import Connection, and_, exists, literal_column, or_, select, up
 
 from conveyor.db import schema as s
 from conveyor.db.dialect import db_now_plus, next_seq, upsert
+from conveyor.db.namespace import physical_name
 from conveyor.db.schema import dedup_keys, jobs
 from conveyor.errors import ConfigurationError
 
@@ -304,12 +305,14 @@ class Deduplicator:
         now_ms = int(now * 1000)
         expires_ms = int((now + ttl) * 1000) if ttl else None
         holder = jobs.alias("holder")
+        # The conflicting row itself, by the table's name as it exists (SQLite: prefixed).
+        conflicting: Any = literal_column(f"{physical_name(conn, dedup_keys)[1]}.job_id")
 
         def holder_is(*cond: Any) -> Any:
             # Must refer to the conflicting row itself. SQLAlchemy cannot correlate into an
             # ON CONFLICT clause and would add dedup_keys to the subquery's FROM (a cross
             # join: any started job anywhere would free every key), hence the literal.
-            q = select(holder.c.id).where(holder.c.id == literal_column("dedup_keys.job_id"), *cond)
+            q = select(holder.c.id).where(holder.c.id == conflicting, *cond)
             return exists(q)
 
         # No "holder row missing" test here: a holder that committed while this statement

@@ -110,6 +110,11 @@ class JobHandle:
                     return status
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if status is None:
+                        raise TimeoutError(
+                            f"job {self.id} not found after {timeout}s: not committed (yet), in "
+                            "another database, or a chain link not reached"
+                        )
                     raise TimeoutError(f"job {self.id} still {status} after {timeout}s")
                 if pubsub is None:
                     time.sleep(min(left, POLL_WITHOUT_REDIS))

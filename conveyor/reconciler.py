@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, literal_column, or_, select, update
+from sqlalchemy import delete, exists, or_, select, update
 
 from conveyor.connections import Connections
 from conveyor.db import schema as s
@@ -223,7 +223,7 @@ class Reconciler:
             delete(jobs).where(jobs.c.status.in_(list(s.TERMINAL)), jobs.c.finished_at < db_now_plus(keep))
         ).rowcount
         n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
-        holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == literal_column("dedup_keys.job_id")))
+        holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == dedup_keys.c.job_id))
         n += conn.execute(delete(dedup_keys).where(holder_gone)).rowcount
         n += self.followers.purge(conn)
         n += conn.execute(

@@ -151,6 +151,13 @@ class Runner:
             assert job is not None
             return self._replay_success(task, job)
         assert job_id is not None
+        if claim.outcome is ClaimOutcome.MISSING:
+            settings = self.connections.settings
+            log.warning(
+                "job %s of %s is not in this worker's database (schema %s): its message was "
+                "dropped here; one Redis database must serve one Conveyor database and schema",
+                job_id, spec.name, settings.db_schema,
+            )  # fmt: skip
         self._record_skip(job_id, claim.outcome, req.id)
         if claim.outcome is ClaimOutcome.TERMINAL and job is not None:
             self.flow.finished(job_id, job["status"], dedup_key=job["dedup_key"])

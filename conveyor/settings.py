@@ -114,7 +114,9 @@ class ConveyorSettings(BaseSettings):
 
     worker_concurrency: int = Field(default_factory=lambda: max(1, min(4, 2 * (os.cpu_count() or 1))))
     soft_shutdown_timeout: float = 30.0
-    db_pool_size: int = 5
+    db_pool_size: int = Field(
+        5, ge=0, description="connections kept per process; 0 keeps none (a connection per use)"
+    )
     db_connect_timeout: int = Field(
         10, ge=2, description="a Postgres connect that gets no answer fails after this many seconds"
     )

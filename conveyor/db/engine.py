@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
 from sqlalchemy import Connection, Engine, create_engine, make_url
@@ -40,13 +41,15 @@ def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10, sche
             connect_args={"check_same_thread": False, "factory": LockingConnection, "timeout": 30},
         )
     else:
+        pooling: dict[str, Any] = (
+            {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30, "pool_recycle": 1800}
+            if pool_size > 0
+            else {"poolclass": NullPool}  # nothing left open between uses (tests)
+        )
         engine = create_engine(
             url,
-            pool_size=pool_size,
-            max_overflow=0,
             pool_pre_ping=False,
-            pool_timeout=30,
-            pool_recycle=1800,
+            **pooling,
             connect_args={
                 "connect_timeout": max(2, connect_timeout),
                 # Raw SQL of migrations, functions and the deployment finds the tables

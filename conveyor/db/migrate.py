@@ -8,9 +8,10 @@ from pathlib import Path
 
 from alembic import command, op
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
 
-from conveyor.db.namespace import sqlite_prefix
+from conveyor.db.namespace import schema_of, sqlite_prefix
 from conveyor.errors import ConfigurationError
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
@@ -32,6 +33,23 @@ def alembic_config(engine: Engine, extra_locations: list[Path] | None = None) ->
 def upgrade(engine: Engine, extra_locations: list[Path] | None = None) -> None:
     """Bring the database to the newest revision of every migration branch."""
     command.upgrade(alembic_config(engine, extra_locations), "heads")
+
+
+def pending(engine: Engine) -> list[str]:
+    """The platform's revisions this database has yet to apply, oldest first."""
+    script = ScriptDirectory.from_config(alembic_config(engine))
+    with engine.connect() as conn:
+        name, own_schema = version_table(conn, schema_of(conn))
+        rows: set[str] = set()
+        if inspect(conn).has_table(name, schema=own_schema):
+            rows = set(
+                conn.execute(text(f"SELECT version_num FROM {_qualified(name, own_schema)}")).scalars()
+            )
+    applied: set[str] = set()
+    for head in rows:
+        if head in {rev.revision for rev in script.walk_revisions()}:
+            applied |= {rev.revision for rev in script.iterate_revisions(head, "base")}
+    return [rev.revision for rev in reversed(list(script.walk_revisions())) if rev.revision not in applied]
 
 
 def version_table(conn: Connection, schema: str) -> tuple[str, str | None]:

@@ -61,3 +61,23 @@ def test_manage_py_conveyor_migrates_and_reports(tmp_path: Path) -> None:
         assert status.returncode == 0, status.stdout + status.stderr
         assert "schema conveyor" in status.stdout and "1 registered" in status.stdout, status.stdout
         assert "jobs      none" in status.stdout and "dlq       0 open" in status.stdout
+        assert "migrations up to date" in status.stdout
+
+
+def test_djangos_own_test_runner(tmp_path: Path) -> None:
+    """``manage.py test``: Conveyor's tables come with the test database (post_migrate) and
+    the run ends without a connection left on it (Django drops it cleanly)."""
+    name = f"shop_{uuid.uuid4().hex[:8]}"
+    try:
+        done = run([sys.executable, "manage.py", "test", "shop", "--noinput"], shop_env(name, tmp_path))
+        output = done.stdout + done.stderr
+        assert done.returncode == 0, output[-6000:]
+        assert "Ran 2 tests" in output and "OK" in output
+        assert "being accessed by other users" not in output
+    finally:
+        with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
+            exists = admin.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", (f"test_{name}",)
+            ).fetchone()
+            admin.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')
+        assert exists is None, "Django could not drop its test database"

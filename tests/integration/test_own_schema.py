@@ -232,3 +232,15 @@ def test_each_deployment_upgrades_the_branches_it_has(tmp_path: Path) -> None:
             platform_upgrade(engine)
     finally:
         engine.dispose()
+
+
+def test_on_sqlite_dedup_and_the_relays_purge_find_the_prefixed_tables(on_sqlite: Any, tag: str) -> None:
+    """Statements that name a table in their text (an ON CONFLICT clause, a correlated
+    delete) must use the prefixed name SQLite has."""
+    first = on_sqlite.submit("conveyor.demo.keyed", {"user": tag, "note": f"{tag}-1"})
+    again = on_sqlite.submit("conveyor.demo.keyed", {"user": tag, "note": f"{tag}-2"})
+    assert again.id == first.id and again.deduplicated
+    relay = on_sqlite.relay()
+    for _ in range(2):  # the second pass reconciles (and purges) as a running relay does
+        report = relay.tick()
+        assert not report.skipped_busy

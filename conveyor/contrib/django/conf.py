@@ -117,6 +117,8 @@ def conveyor_settings(using: str | None = None) -> DjangoConveyorSettings:
                 "Django is running tests: set settings.CONVEYOR['TEST']['REDIS_URL'] to a Redis "
                 "database only tests use, so that no job of a test reaches your other workers"
             )
+        # No connection is kept between uses: Django drops the test database at the end.
+        values.setdefault("db_pool_size", 0)
         values.update({k.lower(): v for k, v in test.items()})
     values["database_url"] = database_url(using)
     return DjangoConveyorSettings(**values)

@@ -13,11 +13,15 @@ from sqlalchemy import func, select
 
 from conveyor.contrib.django import conf
 from conveyor.db.engine import make_engine
-from conveyor.db.migrate import upgrade
+from conveyor.db.migrate import pending, upgrade
 from conveyor.db.namespace import table_exists
 from conveyor.db.schema import dead_letters, jobs, stages
 from conveyor.logs import redact_text
 from conveyor.procs import service_env
+
+
+def _where(url: str | None, schema: str) -> str:
+    return f"table prefix {schema}_" if (url or "").startswith("sqlite") else f"schema {schema}"
 
 
 class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
@@ -54,17 +58,22 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
             upgrade(engine)  # the platform's own tables; the deployment registers its stages
         finally:
             engine.dispose()
-        self.stdout.write(f"Conveyor's tables are up to date (schema {settings.db_schema}).")
+        where = _where(settings.database_url, settings.db_schema)
+        self.stdout.write(f"Conveyor's tables are up to date ({where}).")
 
     def _status(self, settings: Any) -> None:
         engine = make_engine(settings.database_url, schema=settings.db_schema)
         try:
             with engine.connect() as conn:
-                self.stdout.write(
-                    f"database  {redact_text(settings.database_url)} (schema {settings.db_schema})"
-                )
+                where = _where(settings.database_url, settings.db_schema)
+                self.stdout.write(f"database  {redact_text(settings.database_url)} ({where})")
                 if not table_exists(conn, jobs):
                     raise CommandError("Conveyor's tables do not exist: run `manage.py conveyor migrate`")
+                behind = pending(engine)
+                state = (
+                    f"{len(behind)} to apply: run `manage.py conveyor migrate`" if behind else "up to date"
+                )
+                self.stdout.write(f"migrations {state}")
                 registered = conn.execute(select(func.count()).select_from(stages)).scalar_one()
                 self.stdout.write(f"stages    {registered} registered")
                 counts = conn.execute(select(jobs.c.status, func.count()).group_by(jobs.c.status)).all()
