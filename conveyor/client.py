@@ -21,15 +21,17 @@ with the reason.
 
 from __future__ import annotations
 
+import builtins
+import copy
 import datetime as dt
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from celery import Celery
 from pydantic import BaseModel
-from sqlalchemy.engine import RowMapping
+from sqlalchemy.engine import Engine, RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
@@ -40,7 +42,7 @@ from conveyor.connections import Connections
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
 from conveyor.enlist import Enlistment
-from conveyor.errors import PayloadInvalid, SubmitFailed, UnknownStage, describe
+from conveyor.errors import PayloadInvalid, RetryRefused, SubmitFailed, UnknownStage, describe
 from conveyor.followers import Followers
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
@@ -75,11 +77,14 @@ class _Settles:
 
 
 class DeadLetters:
-    """The dead-letter queue, read-only: a retry runs the stage's ``on_retry`` hook, which
-    lives in the deployment (``conveyor dlq retry``, or its platform's ``dlq``)."""
+    """The dead-letter queue from a client: list, show, purge, and retry the entries of
+    stages the registry says have no ``on_retry`` hook. A hook is deployment code, so any
+    other retry is refused (:class:`conveyor.errors.RetryNeedsDeployment`): it is
+    ``conveyor dlq retry``'s, or the deployment platform's ``dlq``."""
 
-    def __init__(self, queue: DeadLetterQueue) -> None:
+    def __init__(self, queue: DeadLetterQueue, engine: Callable[[], Engine]) -> None:
         self._queue = queue
+        self._engine = engine
 
     def list(
         self,
@@ -101,9 +106,70 @@ class DeadLetters:
             since=since,
         )
 
+    def scan(
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+        include_retried: bool = False,
+        before: int | None = None,
+        limit: int = 50,
+    ) -> builtins.list[RowMapping]:
+        """Entries newest first with ids below ``before`` (see :meth:`DeadLetterQueue.scan`)."""
+        return self._queue.scan(
+            stage=stage,
+            queue=queue,
+            since=since,
+            until=until,
+            include_retried=include_retried,
+            before=before,
+            limit=limit,
+        )
+
     def show(self, entry_id: int) -> RowMapping | None:
         """One entry, with its traceback and headers."""
         return self._queue.show(entry_id)
+
+    def _hookless(self) -> DeadLetterQueue:
+        """The queue, planning retries from a fresh read of the registry (not the client's
+        cache: a stage that just gained a hook must not be retried without it)."""
+        snapshot = registry.load(self._engine())
+        queue = copy.copy(self._queue)
+        queue.registered = lambda name: registry.lookup(snapshot, name)
+        return queue
+
+    def retry(self, entry_id: int, *, by: str = "api") -> str | None:
+        """Retry one entry (see :meth:`DeadLetterQueue.retry`); returns the job id, or None
+        when the entry is not open or its job is not dead."""
+        return self._hookless().retry(entry_id, by=by)
+
+    def retry_all(
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+        by: str = "api",
+        refused: builtins.list[RetryRefused] | None = None,
+    ) -> builtins.list[str]:
+        """Retry every open entry matching the filters; refusals go to ``refused``."""
+        return self._hookless().retry_all(
+            stage=stage, queue=queue, since=since, until=until, by=by, refused=refused
+        )
+
+    def purge(
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+    ) -> int:
+        """Delete the entries matching the filters (none: all of them); returns how many."""
+        return self._queue.purge_matching(stage=stage, queue=queue, since=since, until=until)
 
 
 class Client:
@@ -134,7 +200,7 @@ class Client:
             max_requeues=self.settings.max_requeues,
             detect_local_dead_owners=False,
         )
-        deduper = Deduplicator(self.settings, lambda: conns.redis)
+        self.deduper = deduper = Deduplicator(self.settings, lambda: conns.redis)
         metrics = Metrics(self.settings)
         self._recorder = recorder = Recorder(
             conns, store=store, deduper=deduper, followers=Followers(store), metrics=metrics
@@ -153,7 +219,8 @@ class Client:
             metrics=metrics,
         )
         self.dlq = DeadLetters(
-            DeadLetterQueue(conns, stages=stages, store=store, recorder=recorder, deduper=deduper)
+            DeadLetterQueue(conns, stages=stages, store=store, recorder=recorder, deduper=deduper),
+            lambda: conns.engine,
         )
         self.registry_ttl = registry_ttl
         self._registry: dict[str, RegisteredStage] = {}

@@ -1,10 +1,18 @@
-"""The dead-letter queue: list, show, retry one, retry all, purge."""
+"""The dead-letter queue: list, show, retry one, retry all, purge.
+
+A retry runs the stage's ``on_retry`` hook, which is deployment code. The deployment's
+platform (``conveyor dlq retry``) has it. A client (the HTTP API) has only the stage
+registry: it retries a stage whose row says it has no hook, from the row's attempt budget
+and dedup mode, and refuses any other (:class:`RetryNeedsDeployment`) rather than skip a
+hook, since a skipped hook would leave ``on_dead``'s record in place.
+"""
 
 from __future__ import annotations
 
 import builtins
 import contextlib
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +24,10 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.engine import reading
 from conveyor.db.schema import dead_letters, jobs
-from conveyor.dedup import Deduplicator
-from conveyor.errors import ConfigurationError, RetryRefused
+from conveyor.dedup import Deduplicator, Mode
+from conveyor.errors import ConfigurationError, RetryNeedsDeployment, RetryRefused, UnknownStage
 from conveyor.recorder import Recorder
+from conveyor.registry import RegisteredStage
 from conveyor.stage import StageSpec
 from conveyor.stages import Stages
 from conveyor.store import JobStore, new_event
@@ -34,8 +43,21 @@ class DeadLetterPage:
     per_page: int
 
 
+@dataclass(frozen=True)
+class _Rerun:
+    """How a dead job is run again: its new attempt budget, dedup mode and hook."""
+
+    max_attempts: int
+    dedup_mode: Mode
+    on_retry: Callable[[Any, Any], None] | None
+
+
 class DeadLetterQueue:
-    """Operations on ``dead_letters``; retries go back through the relay."""
+    """Operations on ``dead_letters``; retries go back through the relay.
+
+    ``registered`` (a client's): the stage registry's row of a stage, used instead of the
+    stage's code, so a retry needs no deployment code (see the module's docstring).
+    """
 
     def __init__(
         self,
@@ -45,12 +67,34 @@ class DeadLetterQueue:
         store: JobStore,
         recorder: Recorder,
         deduper: Deduplicator,
+        registered: Callable[[str], RegisteredStage] | None = None,
     ) -> None:
         self.connections = connections
         self.stages = stages
         self.store = store
         self.recorder = recorder
         self.deduper = deduper
+        self.registered = registered
+
+    def scan(
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+        include_retried: bool = False,
+        before: int | None = None,
+        limit: int = 50,
+    ) -> builtins.list[RowMapping]:
+        """Up to ``limit`` entries, newest first, with ids below ``before`` (keyset paging:
+        entries added meanwhile have higher ids, so pages never repeat nor skip one)."""
+        where = _filters(stage=stage, queue=queue, since=since, include_retried=include_retried, until=until)
+        q = select(dead_letters).where(where)
+        if before is not None:
+            q = q.where(dead_letters.c.id < before)
+        with reading(self.connections.engine) as conn:
+            return list(conn.execute(q.order_by(dead_letters.c.id.desc()).limit(limit)).mappings())
 
     def list(
         self,
@@ -113,12 +157,13 @@ class DeadLetterQueue:
             job = self.store.get(conn, entry["job_id"])
             if job is None or job["status"] != s.DEAD:
                 return None
-            spec = self._spec(job["stage"])
-            budget = spec.max_attempts if spec else self.connections.settings.default_max_attempts
+            plan = self._rerun(job["stage"], entry_id)
+            budget = plan.max_attempts
             if job["dedup_key"]:
-                mode = spec.dedup.mode if spec is not None and spec.dedup is not None else "simple"
                 now = self.deduper.clock()
-                holder = self.deduper.retake(conn, job["dedup_key"], str(job["id"]), now=now, mode=mode)
+                holder = self.deduper.retake(
+                    conn, job["dedup_key"], str(job["id"]), now=now, mode=plan.dedup_mode
+                )
                 if holder is not None:
                     raise RetryRefused(
                         f"not retried: job {holder} holds dedup id {job['dedup_key']!r} and has not "
@@ -140,8 +185,8 @@ class DeadLetterQueue:
             )
             if res.rowcount != 1:
                 return None
-            if spec is not None and spec.on_retry is not None:
-                spec.on_retry(conn, job["payload"])
+            if plan.on_retry is not None:
+                plan.on_retry(conn, job["payload"])
             conn.execute(
                 update(dead_letters)
                 .where(dead_letters.c.id == entry_id)
@@ -155,6 +200,32 @@ class DeadLetterQueue:
                 self.deduper.forget(job["dedup_key"])
         self.recorder.republish_if_queued(job["id"])
         return str(job["id"])
+
+    def _rerun(self, stage: str, entry_id: int) -> _Rerun:
+        """The stage's budget, dedup mode and hook: from its code, or (a client) from its
+        registry row, refusing a stage whose hook only the deployment can run."""
+        if self.registered is None:
+            spec = self._spec(stage)
+            if spec is None:
+                return _Rerun(self.connections.settings.default_max_attempts, "simple", None)
+            return _Rerun(spec.max_attempts, spec.dedup.mode if spec.dedup else "simple", spec.on_retry)
+        try:
+            row = self.registered(stage)
+        except (UnknownStage, ConfigurationError):
+            row = None
+        if row is None or row.on_retry is not False or row.dedup_by_code:
+            if row is not None and row.on_retry:
+                why = "has an on_retry hook"
+            elif row is not None and row.dedup_by_code:
+                why = "has a dedup key only its code computes"
+            else:
+                why = "may have an on_retry hook (the registry does not say)"
+            raise RetryNeedsDeployment(
+                f"not retried: stage {stage} {why}, which only the deployment's code handles; retry "
+                f"entry {entry_id} with `conveyor dlq retry {entry_id}`"
+            )
+        policy = row.dedup_policy()
+        return _Rerun(row.max_attempts, policy.mode if policy else "simple", None)
 
     def _spec(self, stage: str) -> StageSpec | None:
         """The stage's spec, importing the deployment's stage modules if this process (a
@@ -170,6 +241,7 @@ class DeadLetterQueue:
         stage: str | None = None,
         queue: str | None = None,
         since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
         by: str = "cli",
         refused: builtins.list[RetryRefused] | None = None,
     ) -> builtins.list[str]:
@@ -177,7 +249,7 @@ class DeadLetterQueue:
         without a job, and refused ones, are passed over, not stopped at). Returns the
         retried job ids; refusals are appended to ``refused`` when given."""
         retried: builtins.list[str] = []
-        where = _filters(stage=stage, queue=queue, since=since, include_retried=False)
+        where = _filters(stage=stage, queue=queue, since=since, include_retried=False, until=until)
         last: int | None = None
         while True:
             q = select(dead_letters.c.id).where(where, dead_letters.c.job_id.is_not(None))
@@ -209,9 +281,30 @@ class DeadLetterQueue:
             )
         return int(res.rowcount or 0)
 
+    def purge_matching(
+        self,
+        *,
+        stage: str | None = None,
+        queue: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+        include_retried: bool = True,
+    ) -> int:
+        """Delete the entries matching the filters (no filter: every entry); their jobs
+        stay ``dead``. Returns how many were deleted."""
+        where = _filters(stage=stage, queue=queue, since=since, include_retried=include_retried, until=until)
+        with self.connections.engine.begin() as conn:
+            res = conn.execute(delete(dead_letters).where(where))
+        return int(res.rowcount or 0)
+
 
 def _filters(
-    *, stage: str | None, queue: str | None, since: dt.datetime | None, include_retried: bool
+    *,
+    stage: str | None,
+    queue: str | None,
+    since: dt.datetime | None,
+    include_retried: bool,
+    until: dt.datetime | None = None,
 ) -> Any:
     cond: list[Any] = []
     if not include_retried:
@@ -222,6 +315,8 @@ def _filters(
         cond.append(dead_letters.c.queue == queue)
     if since is not None:
         cond.append(dead_letters.c.created_at >= since)
+    if until is not None:
+        cond.append(dead_letters.c.created_at < until)
     return and_(True, *cond)
 
 

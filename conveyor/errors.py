@@ -160,11 +160,20 @@ class DatabaseBusy(InfrastructureError):
 
 
 class RetryRefused(ConveyorError):
-    """A DLQ retry that would run a second job for a dedup id another live job holds."""
+    """A DLQ retry that would run a second job for a dedup id another live job holds
+    (``holder``), or (:class:`RetryNeedsDeployment`) one a client may not perform."""
 
-    def __init__(self, message: str, *, holder: str) -> None:
+    def __init__(self, message: str, *, holder: str | None) -> None:
         super().__init__(message)
         self.holder = holder
+
+
+class RetryNeedsDeployment(RetryRefused):
+    """A DLQ retry asked of a client (the HTTP API) for a stage that has, or may have, an
+    ``on_retry`` hook: only the deployment's code can run it (``conveyor dlq retry``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, holder=None)
 
 
 class PayloadTooLarge(PayloadInvalid):

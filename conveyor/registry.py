@@ -35,7 +35,7 @@ import functools
 import itertools
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,6 +77,8 @@ class StageLike(Protocol):
     @property
     def preemptable(self) -> bool: ...
     @property
+    def on_retry(self) -> Callable[[Any, Any], None] | None: ...
+    @property
     def payload(self) -> type[BaseModel]: ...
 
 
@@ -103,6 +105,7 @@ def describe(spec: StageLike) -> dict[str, Any]:
         "dedup_by_code": by_code,
         "lease_key": spec.lease_key,
         "preemptable": bool(spec.preemptable),
+        "on_retry": spec.on_retry is not None,
         "payload_schema": schema,
     }
 
@@ -200,6 +203,9 @@ class RegisteredStage:
     dedup_by_code: str | None = None  # why only the deployment's code can compute the key
     lease_key: str | None = None
     preemptable: bool = False
+    # Whether the stage has an ``on_retry`` hook (deployment code a DLQ retry runs); None:
+    # the row predates the registry saying so, which a client takes as "may have one".
+    on_retry: bool | None = None
     updated_at: dt.datetime | None = None
 
     @classmethod
@@ -215,6 +221,7 @@ class RegisteredStage:
             dedup_by_code=row.get("dedup_by_code"),
             lease_key=row.get("lease_key"),
             preemptable=bool(row.get("preemptable")),
+            on_retry=row.get("on_retry"),
             updated_at=row.get("updated_at"),
         )
 

@@ -235,6 +235,8 @@ stages = Table(
     Column("lease_key", String(200), nullable=True),  # a format template over the payload
     Column("preemptable", Boolean, nullable=False, default=False),
     Column("payload_schema", JSON, nullable=False),  # the payload model's JSON Schema
+    # Whether the stage has an ``on_retry`` hook; NULL: written before the registry said.
+    Column("on_retry", Boolean, nullable=True),
     Column("updated_at", Timestamp(), nullable=False),  # when the row last changed
 )
 

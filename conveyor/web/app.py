@@ -19,7 +19,7 @@ from conveyor.db.engine import reading
 from conveyor.db.namespace import table_exists
 from conveyor.db.schema import tokens
 from conveyor.settings import ConveyorSettings
-from conveyor.web import jobs, problems
+from conveyor.web import dead_letters, dry_run, jobs, problems
 from conveyor.web.auth import client_of
 from conveyor.web.limits import BodyLimit, body_limit
 from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
@@ -63,7 +63,9 @@ def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> F
     app.state.conveyor_client = client
     app.add_middleware(BodyLimit, max_bytes=body_limit(client.settings.max_payload_bytes))
     problems.install(app)
+    app.include_router(dry_run.router)  # before /jobs/{job_id}
     app.include_router(jobs.router)
+    app.include_router(dead_letters.router)
     app.add_api_route(
         "/health",
         health,
@@ -104,6 +106,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         routes=app.routes,
         tags=[
             {"name": "jobs", "description": "Submit by stage name, show, cancel."},
+            {"name": "dead-letters", "description": "List, show, retry and purge (scope `admin`)."},
             {"name": "health", "description": "Liveness of the database."},
         ],
     )

@@ -39,6 +39,12 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/jobs", "post"),
         ("/jobs/{job_id}", "get"),
         ("/jobs/{job_id}/cancel", "post"),
+        ("/jobs/dry-run", "post"),
+        ("/dead-letters", "get"),
+        ("/dead-letters/{entry_id}", "get"),
+        ("/dead-letters/{entry_id}/retry", "post"),
+        ("/dead-letters/retry", "post"),
+        ("/dead-letters/purge", "post"),
         ("/health", "get"),
     }
     for path, _, op in operations:

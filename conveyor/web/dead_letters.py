@@ -1,0 +1,277 @@
+"""``/dead-letters``: list (filtered, cursor-paged), show, retry one, retry all matching a
+filter, purge.
+
+Every endpoint needs the ``admin`` scope, listing included: an entry holds a traceback
+and the message's headers, which say more than a job's owner is shown of it, and the
+issue makes dead-letter actions an operator's. Another owner's entry is therefore never
+hidden (an admin sees all), and an unknown id is 404.
+
+A retry is the client's (:class:`conveyor.client.DeadLetters`): it runs only for a stage
+whose registry row says it has no ``on_retry`` hook, since a hook is deployment code the
+API does not have. Any other entry is answered 409 ``retry-needs-deployment`` and stays
+open for ``conveyor dlq retry``: a skipped hook would leave what ``on_dead`` recorded in
+place. The retry itself is the platform's (one transaction moves the job back to
+``queued`` and closes the entry, guarded by its attempt count), so the job runs once.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as dt
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.engine import RowMapping
+
+from conveyor import tokens
+from conveyor.errors import RetryNeedsDeployment, RetryRefused
+from conveyor.web.auth import Caller, client_of, requires
+from conveyor.web.problems import Problem, responses
+
+router = APIRouter(prefix="/dead-letters", tags=["dead-letters"])
+
+Admin = Annotated[Caller, Depends(requires(tokens.ADMIN))]
+EntryId = Annotated[int, Path(ge=1, le=2**63 - 1, description="the entry's id")]
+AUTH = (401, 403)
+CURSOR_PREFIX = "dl1:"
+
+
+class DeadLetter(BaseModel):
+    """One dead-letter entry: which job died, where, and why."""
+
+    id: int
+    job_id: str | None
+    stage: str | None
+    queue: str | None
+    label: str | None
+    error_type: str
+    message: str
+    attempts: int
+    created_at: dt.datetime
+    retried_at: dt.datetime | None
+    retried_by: str | None
+
+    @classmethod
+    def from_row(cls, row: RowMapping) -> DeadLetter:
+        """The view of a ``dead_letters`` row."""
+        fields = cls.model_fields
+        return cls(**{k: row[k] for k in fields})
+
+
+class DeadLetterDetail(DeadLetter):
+    """An entry with its traceback and the message's headers."""
+
+    traceback: str | None
+    headers: dict[str, Any] | None
+
+
+class DeadLetterPage(BaseModel):
+    """Entries newest first; ``next_cursor`` (with the same filters) reads the ones after."""
+
+    items: list[DeadLetter]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page; null: no more")
+    next: str | None = Field(description="the next page's path and query; null: no more")
+
+
+class Filter(BaseModel):
+    """Which entries: every given condition holds (open entries only, unless ``all`` says
+    otherwise for a purge)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stage: str | None = Field(None, min_length=1, max_length=200)
+    queue: str | None = Field(None, min_length=1, max_length=100)
+    since: dt.datetime | None = Field(None, description="created at or after (naive means UTC)")
+    until: dt.datetime | None = Field(None, description="created before (naive means UTC)")
+
+    def empty(self) -> bool:
+        """Whether no condition is given."""
+        return not (self.stage or self.queue or self.since or self.until)
+
+
+class PurgeRequest(Filter):
+    """Entries to delete (open and retried ones); an empty filter needs ``all: true``."""
+
+    all: bool = Field(False, description="true: delete every entry when no condition is given")
+
+
+class Retried(BaseModel):
+    """What a retry-all did: the jobs sent back to ``queued``, and the entries refused."""
+
+    retried: int
+    job_ids: list[str]
+    refused: list[str] = Field(description="why each refused entry stays open")
+
+
+class RetriedOne(BaseModel):
+    """The job a retry sent back to ``queued``."""
+
+    job_id: str
+    entry_id: int
+
+
+class Purged(BaseModel):
+    """How many entries a purge deleted."""
+
+    purged: int
+
+
+def _utc(when: dt.datetime | None) -> dt.datetime | None:
+    return when.replace(tzinfo=dt.UTC) if when is not None and when.tzinfo is None else when
+
+
+def _cursor(entry_id: int) -> str:
+    return base64.urlsafe_b64encode(f"{CURSOR_PREFIX}{entry_id}".encode()).decode().rstrip("=")
+
+
+def _before(cursor: str | None) -> int | None:
+    """The id a cursor pages below (422 for anything not made by :func:`_cursor`)."""
+    if cursor is None:
+        return None
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        if raw.startswith(CURSOR_PREFIX) and raw[len(CURSOR_PREFIX) :].isdigit():
+            return int(raw[len(CURSOR_PREFIX) :])
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        pass
+    raise Problem(422, "invalid-cursor", "Invalid cursor", "cursor is not a cursor of this API")
+
+
+def _not_found(entry_id: int) -> Problem:
+    return Problem(404, "not-found", "Not Found", f"no dead-letter entry {entry_id}")
+
+
+@router.get(
+    "",
+    response_model=DeadLetterPage,
+    operation_id="listDeadLetters",
+    summary="List dead-letter entries",
+    description="Scope `admin`. Open entries (not yet retried) newest first, filtered by stage, "
+    "queue and creation time; page on with `cursor` (entries added meanwhile never repeat nor "
+    "shift a page).",
+    responses=responses(*AUTH, 422, 503),
+)
+def list_entries(
+    request: Request,
+    caller: Admin,
+    stage: Annotated[str | None, Query(max_length=200)] = None,
+    queue: Annotated[str | None, Query(max_length=100)] = None,
+    since: Annotated[dt.datetime | None, Query(description="created at or after (naive: UTC)")] = None,
+    until: Annotated[dt.datetime | None, Query(description="created before (naive: UTC)")] = None,
+    include_retried: bool = False,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    cursor: Annotated[str | None, Query(max_length=100, description="a next_cursor")] = None,
+) -> DeadLetterPage:
+    """One page of entries matching the filters."""
+    rows = client_of(request).dlq.scan(
+        stage=stage,
+        queue=queue,
+        since=_utc(since),
+        until=_utc(until),
+        include_retried=include_retried,
+        before=_before(cursor),
+        limit=limit + 1,  # one more says whether there is a next page
+    )
+    items = [DeadLetter.from_row(r) for r in rows[:limit]]
+    if len(rows) <= limit:
+        return DeadLetterPage(items=items, next_cursor=None, next=None)
+    token = _cursor(items[-1].id)
+    query = request.url.include_query_params(cursor=token).query
+    return DeadLetterPage(
+        items=items, next_cursor=token, next=f"{request.scope.get('root_path', '')}{request.url.path}?{query}"
+    )
+
+
+@router.get(
+    "/{entry_id}",
+    response_model=DeadLetterDetail,
+    operation_id="getDeadLetter",
+    summary="Show a dead-letter entry",
+    description="Scope `admin`. The entry with its traceback and headers.",
+    responses=responses(*AUTH, 404, 503),
+)
+def show(request: Request, caller: Admin, entry_id: EntryId) -> DeadLetterDetail:
+    """One entry, open or retried."""
+    row = client_of(request).dlq.show(entry_id)
+    if row is None:
+        raise _not_found(entry_id)
+    return DeadLetterDetail(
+        **DeadLetter.from_row(row).model_dump(), traceback=row["traceback"], headers=row["headers"]
+    )
+
+
+@router.post(
+    "/retry",
+    response_model=Retried,
+    operation_id="retryDeadLetters",
+    summary="Retry every open entry matching a filter",
+    description="Scope `admin`. An empty filter retries every open entry. Entries of stages with "
+    "an `on_retry` hook, and those whose dedup id another live job holds, are refused and stay "
+    "open (listed in `refused`).",
+    responses=responses(*AUTH, 422, 503),
+)
+def retry_all(request: Request, caller: Admin, body: Filter) -> Retried:
+    """Retry the matching entries, as the caller's token."""
+    refused: list[RetryRefused] = []
+    ids = client_of(request).dlq.retry_all(
+        stage=body.stage,
+        queue=body.queue,
+        since=_utc(body.since),
+        until=_utc(body.until),
+        by=caller.name,
+        refused=refused,
+    )
+    return Retried(retried=len(ids), job_ids=ids, refused=[str(e) for e in refused])
+
+
+@router.post(
+    "/purge",
+    response_model=Purged,
+    operation_id="purgeDeadLetters",
+    summary="Delete the entries matching a filter",
+    description="Scope `admin`. Deletes open and retried entries alike (their jobs stay `dead`). "
+    "An empty filter is refused (422) unless `all` is true.",
+    responses=responses(*AUTH, 422, 503),
+)
+def purge(request: Request, caller: Admin, body: PurgeRequest) -> Purged:
+    """Delete the matching entries."""
+    if body.empty() and not body.all:
+        detail = "give stage, queue, since or until, or all: true to delete every entry"
+        raise Problem(422, "empty-filter", "Empty filter", detail)
+    n = client_of(request).dlq.purge(
+        stage=body.stage, queue=body.queue, since=_utc(body.since), until=_utc(body.until)
+    )
+    return Purged(purged=n)
+
+
+@router.post(
+    "/{entry_id}/retry",
+    response_model=RetriedOne,
+    operation_id="retryDeadLetter",
+    summary="Retry one entry",
+    description="Scope `admin`. Sends the job back to `queued` with a fresh attempt budget and "
+    "closes the entry. 409 when the entry is already retried or its job is not dead, when another "
+    "live job holds its dedup id, or (`retry-needs-deployment`) when its stage has an `on_retry` "
+    "hook: retry that one with `conveyor dlq retry`.",
+    responses=responses(*AUTH, 404, 409, 503),
+)
+def retry(request: Request, caller: Admin, entry_id: EntryId) -> RetriedOne:
+    """Retry one entry, as the caller's token."""
+    dlq = client_of(request).dlq
+    if dlq.show(entry_id) is None:
+        raise _not_found(entry_id)
+    try:
+        job_id = dlq.retry(entry_id, by=caller.name)
+    except RetryNeedsDeployment as exc:
+        raise Problem(409, "retry-needs-deployment", "Retry needs the deployment", str(exc)) from None
+    except RetryRefused as exc:
+        raise Problem(409, "retry-refused", "Retry refused", str(exc)) from None
+    if job_id is None:
+        detail = f"entry {entry_id} is already retried, or its job is not dead"
+        raise Problem(409, "not-retryable", "Not retryable", detail)
+    return RetriedOne(job_id=job_id, entry_id=entry_id)
+
+
+__all__ = ["router"]

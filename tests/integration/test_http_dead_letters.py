@@ -1,0 +1,204 @@
+"""``/dead-letters`` of the HTTP API in process, on the test Postgres and Redis with an
+in-process worker: admin only, filters, cursor paging while entries arrive, retry one (the
+job runs again), retry all matching a filter, a stage with an ``on_retry`` hook refused,
+and purge."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, insert, select, update
+
+import conveyor
+from conveyor import registry, tokens
+from conveyor.db import schema as s
+from conveyor.web import create_app
+from tests.integration.test_http_api import auth, problem
+
+pytestmark = pytest.mark.timeout(120)
+
+Token = Callable[..., str]
+ENDPOINTS = [
+    ("GET", "/dead-letters", None),
+    ("GET", "/dead-letters/{id}", None),
+    ("POST", "/dead-letters/{id}/retry", None),
+    ("POST", "/dead-letters/retry", {"stage": "conveyor.demo.none"}),
+    ("POST", "/dead-letters/purge", {"stage": "conveyor.demo.none"}),
+]
+
+
+@pytest.fixture(scope="module")
+def client(platform: Any) -> Iterator[conveyor.Client]:
+    registry.write(platform.engine, platform.stages.values())
+    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def http(client: conveyor.Client) -> Iterator[TestClient]:
+    with TestClient(create_app(client)) as test_client:
+        yield test_client
+
+
+@pytest.fixture
+def token(platform: Any) -> Token:
+    def make(owner: str, *scopes: str) -> str:
+        return tokens.create(platform.engine, owner=owner, scopes=scopes or ("admin",)).secret
+
+    return make
+
+
+def entries(
+    platform: Any, stage: str, n: int, *, queue: str = "demo", job_id: str | None = None
+) -> list[int]:
+    """``n`` entries of ``stage`` written as a dead-lettering worker does (no job unless given)."""
+    ids = []
+    with platform.engine.begin() as conn:
+        for i in range(n):
+            row = {"job_id": job_id, "stage": stage, "queue": queue, "label": f"e{i}", "error_type": "X"}
+            res = conn.execute(
+                insert(s.dead_letters).values(
+                    **row, message="m", traceback="tb", attempts=1, headers={"h": i}, created_at=func.now()
+                )
+            )
+            ids.append(int(res.inserted_primary_key[0]))
+    return ids
+
+
+def dead_job(http: TestClient, platform: Any, secret: str, n: int) -> tuple[str, int]:
+    """A demo.broken job run to ``dead`` by the worker, and its open entry."""
+    resp = http.post(
+        "/jobs", json={"stage": "conveyor.demo.broken", "payload": {"n": n}}, headers=auth(secret)
+    )
+    job_id = resp.json()["id"]
+    return job_id, open_entry(platform, job_id)
+
+
+def open_entry(platform: Any, job_id: str, timeout: float = 20) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with platform.engine.connect() as conn:
+            found = conn.execute(
+                select(s.dead_letters.c.id).where(
+                    s.dead_letters.c.job_id == job_id, s.dead_letters.c.retried_at.is_(None)
+                )
+            ).scalar()
+        if found is not None:
+            return int(found)
+        time.sleep(0.1)
+    raise AssertionError(f"job {job_id} was not dead-lettered")
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS, ids=lambda e: f"{e[0]} {e[1]}")
+def test_every_endpoint_is_401_without_a_token_and_403_without_admin(
+    http: TestClient, platform: Any, token: Token, tag: str, endpoint: Any
+) -> None:
+    (entry,) = entries(platform, f"conveyor.demo.{tag}", 1)
+    method, path, body = endpoint
+    url = path.format(id=entry)
+    problem(http.request(method, url, json=body), 401, "unauthorized")
+    for scopes in (("read",), ("submit",), ("read", "submit")):
+        resp = http.request(method, url, json=body, headers=auth(token(f"alice-{tag}", *scopes)))
+        assert "admin" in problem(resp, 403, "forbidden")["detail"]
+    if "{id}" in path:  # no owner applies (admin sees all): an unknown entry is 404
+        missing = http.request(method, path.format(id=2**62), json=body, headers=auth(token(f"ops-{tag}")))
+        problem(missing, 404, "not-found")
+
+
+def test_filters_and_show(http: TestClient, platform: Any, token: Token, tag: str) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    a, b = f"conveyor.demo.a{tag}", f"conveyor.demo.b{tag}"
+    ids_a = entries(platform, a, 2)
+    ids_b = entries(platform, b, 1, queue=f"q{tag}")
+    got = http.get("/dead-letters", params={"stage": a}, headers=admin).json()
+    assert [e["id"] for e in got["items"]] == sorted(ids_a, reverse=True) and got["next"] is None
+    got = http.get("/dead-letters", params={"queue": f"q{tag}"}, headers=admin).json()
+    assert [e["id"] for e in got["items"]] == ids_b
+    future = (dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)).isoformat()
+    assert (
+        http.get("/dead-letters", params={"stage": a, "since": future}, headers=admin).json()["items"] == []
+    )
+    assert (
+        len(http.get("/dead-letters", params={"stage": a, "until": future}, headers=admin).json()["items"])
+        == 2
+    )
+    shown = http.get(f"/dead-letters/{ids_b[0]}", headers=admin).json()
+    assert shown["traceback"] == "tb" and shown["headers"] == {"h": 0} and shown["stage"] == b
+    problem(http.get("/dead-letters", params={"cursor": "bogus"}, headers=admin), 422, "invalid-cursor")
+
+
+def test_cursor_pages_have_no_duplicates_nor_gaps_while_entries_arrive(
+    http: TestClient, platform: Any, token: Token, tag: str
+) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    stage = f"conveyor.demo.p{tag}"
+    before = entries(platform, stage, 10)
+    seen: list[int] = []
+    url: str | None = f"/dead-letters?stage={stage}&limit=3"
+    pages = 0
+    while url:
+        page = http.get(url, headers=admin).json()
+        seen += [e["id"] for e in page["items"]]
+        entries(platform, stage, 2)  # newer entries arrive between pages
+        url, pages = page["next"], pages + 1
+    assert seen == sorted(before, reverse=True) and pages == 4
+
+
+def test_retry_one_runs_the_job_again(
+    http: TestClient, platform: Any, worker: Any, token: Token, tag: str
+) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    job_id, entry = dead_job(http, platform, token(f"alice-{tag}", "submit"), 1)
+    resp = http.post(f"/dead-letters/{entry}/retry", headers=admin)
+    assert resp.status_code == 200, resp.text
+    assert resp.json() == {"job_id": job_id, "entry_id": entry}
+    again = open_entry(platform, job_id)  # broken dies again: it ran once more
+    assert again != entry
+    job = http.get(f"/jobs/{job_id}", headers=admin).json()
+    assert job["status"] == s.DEAD and job["attempts"]["claims"] == 2
+    shown = http.get(f"/dead-letters/{entry}", headers=admin).json()
+    assert shown["retried_at"] and shown["retried_by"].startswith("token:")
+    problem(http.post(f"/dead-letters/{entry}/retry", headers=admin), 409, "not-retryable")
+
+
+def test_retry_all_by_filter_and_a_stage_with_a_hook_is_refused(
+    http: TestClient, platform: Any, worker: Any, token: Token, tag: str
+) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    submitter = token(f"alice-{tag}", "submit")
+    dead = [dead_job(http, platform, submitter, n) for n in (2, 3)]
+    hooked = next(name for name, spec in platform.stages.items() if spec.on_retry is not None)
+    hooked_job, hooked_entry = dead_job(http, platform, submitter, 4)
+    stage = f"conveyor.demo.r{tag}"
+    with platform.engine.begin() as conn:  # this test's own stage names, so the filter is its own
+        for _, entry in dead:
+            conn.execute(update(s.dead_letters).where(s.dead_letters.c.id == entry).values(stage=stage))
+        conn.execute(update(s.jobs).where(s.jobs.c.id == hooked_job).values(stage=hooked))
+    resp = http.post(f"/dead-letters/{hooked_entry}/retry", headers=admin)
+    assert "conveyor dlq retry" in problem(resp, 409, "retry-needs-deployment")["detail"]
+    done = http.post("/dead-letters/retry", json={"stage": stage}, headers=admin).json()
+    assert done["retried"] == 2 and sorted(done["job_ids"]) == sorted(j for j, _ in dead)
+    assert done["refused"] == []
+    for job_id, _ in dead:
+        open_entry(platform, job_id)
+    assert http.get(f"/dead-letters/{hooked_entry}", headers=admin).json()["retried_at"] is None
+
+
+def test_purge_by_filter_refuses_an_empty_one(
+    http: TestClient, platform: Any, token: Token, tag: str
+) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    stage = f"conveyor.demo.g{tag}"
+    ids = entries(platform, stage, 3)
+    keep = entries(platform, f"conveyor.demo.k{tag}", 1)
+    problem(http.post("/dead-letters/purge", json={}, headers=admin), 422, "empty-filter")
+    assert http.post("/dead-letters/purge", json={"stage": stage}, headers=admin).json() == {"purged": 3}
+    for entry in ids:
+        problem(http.get(f"/dead-letters/{entry}", headers=admin), 404, "not-found")
+    assert http.get(f"/dead-letters/{keep[0]}", headers=admin).status_code == 200

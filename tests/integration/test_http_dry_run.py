@@ -1,0 +1,121 @@
+"""``POST /jobs/dry-run``: validated as a submit, answered from the same rules, nothing
+inserted."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import func, insert, select
+
+import conveyor
+from conveyor import registry, tokens
+from conveyor.db import schema as s
+from conveyor.web import create_app
+from tests.integration.test_http_api import auth, problem
+
+pytestmark = pytest.mark.timeout(60)
+
+Token = Callable[..., str]
+
+
+@pytest.fixture(scope="module")
+def http(platform: Any) -> Iterator[TestClient]:
+    registry.write(platform.engine, platform.stages.values())
+    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
+    with TestClient(create_app(c)) as test_client:
+        yield test_client
+    c.close()
+
+
+@pytest.fixture
+def token(platform: Any) -> Token:
+    def make(owner: str, *scopes: str) -> str:
+        return tokens.create(platform.engine, owner=owner, scopes=scopes or ("read", "submit")).secret
+
+    return make
+
+
+def count(platform: Any) -> int:
+    with platform.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(s.jobs)).scalar_one())
+
+
+def dry(http: TestClient, secret: str, stage: str = "conveyor.demo.square", **body: Any) -> Any:
+    return http.post(
+        "/jobs/dry-run", json={"stage": stage, "payload": {"n": 3}, **body}, headers=auth(secret)
+    )
+
+
+def codes(resp: Any) -> list[str]:
+    assert resp.status_code == 200, resp.text
+    return [r["code"] for r in resp.json()["reasons"]]
+
+
+def test_auth_and_validation_as_a_submit(http: TestClient, token: Token, tag: str) -> None:
+    problem(dry(http, ""), 401)
+    problem(http.post("/jobs/dry-run", json={"stage": "conveyor.demo.square"}), 401, "unauthorized")
+    problem(dry(http, token(f"a-{tag}", "read")), 403, "forbidden")
+    problem(dry(http, token(f"a-{tag}"), stage="conveyor.demo.squar"), 422, "unknown-stage")
+    body = problem(
+        http.post(
+            "/jobs/dry-run",
+            json={"stage": "conveyor.demo.square", "payload": {"n": "x"}},
+            headers=auth(token(f"a-{tag}")),
+        ),
+        422,
+        "invalid-payload",
+    )
+    assert body["errors"][0]["field"] == "payload.n"
+
+
+def test_reasons_and_nothing_inserted(http: TestClient, platform: Any, token: Token, tag: str) -> None:
+    alice, bob = token(f"alice-{tag}"), token(f"bob-{tag}")
+    made = http.post(
+        "/jobs",
+        json={
+            "stage": "conveyor.demo.square",
+            "payload": {"n": 1},
+            "delay": 60,
+            "idempotency_key": f"k{tag}",
+        },
+        headers=auth(alice),
+    ).json()
+    keyed = http.post(
+        "/jobs",
+        json={"stage": "conveyor.demo.keyed", "payload": {"user": tag, "note": "n"}, "delay": 60},
+        headers=auth(alice),
+    ).json()
+    rows = count(platform)
+    resp = dry(http, alice)
+    assert resp.json()["would_run_now"] is True and codes(resp) == []
+    reasons = dry(http, alice, idempotency_key=f"k{tag}").json()["reasons"]
+    assert reasons[0]["code"] == "idempotency_key" and reasons[0]["job_id"] == made["id"]
+    assert codes(dry(http, bob, idempotency_key=f"k{tag}")) == []  # a key is its owner's own
+    own = dry(http, alice, stage="conveyor.demo.keyed", payload={"user": tag, "note": "x"}).json()["reasons"]
+    assert own == [{"code": "deduplicated", "detail": own[0]["detail"], "job_id": keyed["id"], "until": None}]
+    other = dry(http, bob, stage="conveyor.demo.keyed", payload={"user": tag, "note": "x"}).json()["reasons"]
+    assert other[0]["code"] == "deduplicated" and other[0]["job_id"] is None  # the fact, not the id
+    assert (
+        codes(dry(http, bob, stage="conveyor.demo.keyed", payload={"user": tag, "note": "x"}, dedup=False))
+        == []
+    )
+    assert codes(dry(http, alice, delay=30)) == ["delayed"]
+    assert codes(dry(http, alice, delay=30, expires_in=10)) == ["delayed", "expired"]
+    with platform.engine.begin() as conn:  # a live holder of the sync stage's lease key
+        conn.execute(
+            insert(s.leases).values(
+                key=f"user:{tag}",
+                holder_job=made["id"],
+                holder_attempt=1,
+                token=1,
+                priority=0,
+                preemptable=False,
+            )
+        )
+    lease = dry(http, bob, stage="conveyor.demo.sync", payload={"user": tag, "note": "n"}).json()
+    assert lease["would_run_now"] is False and [r["code"] for r in lease["reasons"]] == ["lease_held"]
+    assert lease["reasons"][0]["job_id"] is None
+    assert count(platform) == rows
