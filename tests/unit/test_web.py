@@ -39,6 +39,8 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/jobs", "post"),
         ("/jobs/{job_id}", "get"),
         ("/jobs/{job_id}/cancel", "post"),
+        ("/events", "get"),
+        ("/events/stream", "get"),
         ("/health", "get"),
     }
     for path, _, op in operations:
