@@ -5,6 +5,7 @@ or to mount in an app's own ASGI application (``parent.mount("/conveyor", create
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -19,7 +20,7 @@ from conveyor.db.engine import reading
 from conveyor.db.namespace import table_exists
 from conveyor.db.schema import tokens
 from conveyor.settings import ConveyorSettings
-from conveyor.web import dead_letters, dry_run, jobs, problems
+from conveyor.web import dead_letters, dry_run, events, jobs, problems
 from conveyor.web.auth import client_of
 from conveyor.web.limits import BodyLimit, body_limit
 from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
@@ -61,11 +62,13 @@ def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> F
         redoc_url=None,
     )
     app.state.conveyor_client = client
+    app.state.conveyor_streams_end = threading.Event()  # see conveyor.web.events.streams_end
     app.add_middleware(BodyLimit, max_bytes=body_limit(client.settings.max_payload_bytes))
     problems.install(app)
     app.include_router(dry_run.router)  # before /jobs/{job_id}
     app.include_router(jobs.router)
     app.include_router(dead_letters.router)
+    app.include_router(events.router)
     app.add_api_route(
         "/health",
         health,
@@ -107,6 +110,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         tags=[
             {"name": "jobs", "description": "Submit by stage name, show, cancel."},
             {"name": "dead-letters", "description": "List, show, retry and purge (scope `admin`)."},
+            {"name": "events", "description": "The event outbox in commit order: pages and a stream."},
             {"name": "health", "description": "Liveness of the database."},
         ],
     )

@@ -45,6 +45,8 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/dead-letters/{entry_id}/retry", "post"),
         ("/dead-letters/retry", "post"),
         ("/dead-letters/purge", "post"),
+        ("/events", "get"),
+        ("/events/stream", "get"),
         ("/health", "get"),
     }
     for path, _, op in operations:

@@ -1,0 +1,82 @@
+"""The event feed's reads: pages of the outbox (``job_events``) in commit order, filtered
+and scoped to an owner, with a cursor that resumes after them.
+
+Positions are gap-free in commit order (:mod:`conveyor.events`), so a page read up to the
+outbox's head lets a filtered reader's cursor jump to that head: a reader of one sparse
+owner or job does not scan the same unrelated events again on its next read.
+
+Events carry no owner: an event's owner is its job's (``jobs.owner``). An event without
+a job, or whose job was purged, has no owner and only an admin (no owner filter) sees it.
+A batch is not Conveyor's notion (batches belong to a deployment, such as the files
+family): ``batch`` matches events whose body carries that ``batch_id``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Engine, RowMapping, func, select
+
+from conveyor.db.engine import reading
+from conveyor.db.schema import job_events, jobs
+from conveyor.events import event_position, resolve_cursor, sequence_events
+from conveyor.store import parse_cursor
+
+
+@dataclass(frozen=True)
+class FeedFilter:
+    """Which events a reader wants; None matches any. ``owner`` keeps only the events of
+    that owner's jobs (a non-admin reader always has its own here)."""
+
+    job: str | None = None
+    flow: str | None = None
+    batch: str | None = None
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class FeedPage:
+    """Events after a cursor, the cursor after them, and whether the page was full (more
+    may be waiting: read again at once)."""
+
+    rows: list[RowMapping]
+    cursor: str
+    full: bool
+
+
+def check_cursor(cursor: str | None) -> None:
+    """Raise ValueError unless ``cursor`` is a cursor of the feed (or None)."""
+    parse_cursor(cursor)
+
+
+def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) -> FeedPage:
+    """Up to ``limit`` events matching ``where`` after cursor ``since`` (None: the
+    beginning), in commit order. Every event committed before the call is either here or
+    before ``since``; one committed later comes in a later page. Raises ValueError for a
+    malformed cursor. Blocking: call it from a thread in async code."""
+    parsed = parse_cursor(since)
+    with reading(engine) as conn:
+        sequence_events(conn)
+        after = resolve_cursor(conn, parsed)
+        position = event_position(conn)
+        head = conn.execute(select(func.max(position))).scalar()
+        if head is None or head <= after:
+            return FeedPage([], str(after), False)
+        q = select(job_events, position.label("position")).where(position > after, position <= head)
+        if where.owner is not None or where.flow is not None:
+            q = q.join(jobs, jobs.c.id == job_events.c.job_id)
+            if where.owner is not None:
+                q = q.where(jobs.c.owner == where.owner)
+            if where.flow is not None:
+                q = q.where(jobs.c.flow_id == where.flow)
+        if where.job is not None:
+            q = q.where(job_events.c.job_id == where.job)
+        if where.batch is not None:
+            q = q.where(job_events.c.body["batch_id"].as_string() == where.batch)
+        rows = list(conn.execute(q.order_by(position).limit(limit)).mappings())
+    if len(rows) == limit:
+        return FeedPage(rows, str(rows[-1]["position"]), True)
+    return FeedPage(rows, str(head), False)
+
+
+__all__ = ["FeedFilter", "FeedPage", "check_cursor", "read_page"]
