@@ -29,6 +29,7 @@ import tasks.demo as demo
 from conveyor import registry, tokens
 from conveyor.db import schema as s
 from conveyor.db.schema import job_events, jobs, new_event
+from conveyor.events import sequence_events
 from conveyor.store import JobStore
 from conveyor.web import create_app, events
 from conveyor.web.feed import FeedFilter, read_page
@@ -85,7 +86,10 @@ def later(client: conveyor.Client, owner: str, n: int = 1) -> str:
 
 
 def outbox(platform: Any, *where: Any) -> list[int]:
-    """The ids of the events matching ``where`` (on ``job_events`` joined to ``jobs``), in commit order."""
+    """The ids of the events matching ``where`` (on ``job_events`` joined to ``jobs``), in commit order.
+    Committed events are numbered first, as the feed does before it reads: an event not yet
+    numbered has no place in commit order (it would sort last)."""
+    sequence_events(platform.engine)
     q = select(job_events.c.id).join(jobs, jobs.c.id == job_events.c.job_id).where(*where)
     with platform.engine.connect() as conn:
         return [int(i) for i in conn.execute(q.order_by(job_events.c.seq)).scalars()]
