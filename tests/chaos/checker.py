@@ -550,7 +550,11 @@ def check(
                     f"shutdown cut {desc} short (requeued {_secs(sd.at, end.at):.2f}s after TERM)"
                 )
                 counted = counted_attempts(srow, crash_budget)
-                if srow["status"] != "succeeded" or counted != hits[job_id] + 1:
+                succeeded = srow["status"] == "succeeded" and counted == hits[job_id] + 1
+                # Killed afterwards as often as it may crash: dead, excused above, and the
+                # shutdown's attempt still uncounted (every counted attempt was a kill).
+                killed_out = srow["status"] == "dead" and hits[job_id] >= crash_budget == counted
+                if not (succeeded or killed_out):
                     res.shutdown_problems.append(f"{desc}: cut short by a shutdown, counted {counted}")
 
     # A message a killed worker had taken (or a wiped Redis held) must still run soon:
