@@ -5,7 +5,7 @@ with the client's validation and idempotency, show, cancel, and problem details.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -17,49 +17,11 @@ from conveyor import registry, tokens
 from conveyor.db import schema as s
 from conveyor.errors import OwnerInvalid
 from conveyor.web import create_app
+from tests.integration.http_support import Token, auth, problem, token_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
-PROBLEM = "application/problem+json"
-Token = Callable[..., str]
-
-
-@pytest.fixture(scope="module")
-def client(platform: Any) -> Iterator[conveyor.Client]:
-    registry.write(platform.engine, platform.stages.values())  # as `conveyor db upgrade` does
-    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def http(client: conveyor.Client) -> Iterator[TestClient]:
-    with TestClient(create_app(client)) as test_client:
-        yield test_client
-
-
-@pytest.fixture
-def token(platform: Any) -> Token:
-    """``token(owner, *scopes)``: a new token's bearer string."""
-
-    def make(owner: str, *scopes: str) -> str:
-        return tokens.create(platform.engine, owner=owner, scopes=scopes or ("read", "submit")).secret
-
-    return make
-
-
-def auth(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
-
-
-def problem(resp: httpx.Response, status: int, kind: str | None = None) -> dict[str, Any]:
-    """The problem document of ``resp``, checked to be RFC 9457's."""
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith(PROBLEM)
-    body: dict[str, Any] = resp.json()
-    assert body["status"] == status and body["title"] and body["instance"] == resp.request.url.path
-    assert body["type"] == (f"urn:conveyor:problem:{kind}" if kind else body["type"])
-    return body
+token = token_fixture("read", "submit")
 
 
 def submit(http: TestClient, secret: str, stage: str = "conveyor.demo.square", **body: Any) -> httpx.Response:

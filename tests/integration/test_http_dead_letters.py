@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select, update
 
-import conveyor
-from conveyor import registry, tokens
 from conveyor.db import schema as s
-from conveyor.web import create_app
-from tests.integration.test_http_api import auth, problem
+from tests.integration.http_support import Token, auth, problem, token_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
-Token = Callable[..., str]
+token = token_fixture("admin")
 ENDPOINTS = [
     ("GET", "/dead-letters", None),
     ("GET", "/dead-letters/{id}", None),
@@ -30,28 +26,6 @@ ENDPOINTS = [
     ("POST", "/dead-letters/retry", {"stage": "conveyor.demo.none"}),
     ("POST", "/dead-letters/purge", {"stage": "conveyor.demo.none"}),
 ]
-
-
-@pytest.fixture(scope="module")
-def client(platform: Any) -> Iterator[conveyor.Client]:
-    registry.write(platform.engine, platform.stages.values())
-    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def http(client: conveyor.Client) -> Iterator[TestClient]:
-    with TestClient(create_app(client)) as test_client:
-        yield test_client
-
-
-@pytest.fixture
-def token(platform: Any) -> Token:
-    def make(owner: str, *scopes: str) -> str:
-        return tokens.create(platform.engine, owner=owner, scopes=scopes or ("admin",)).secret
-
-    return make
 
 
 def entries(

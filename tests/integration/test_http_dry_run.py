@@ -3,39 +3,18 @@ inserted."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select
 
-import conveyor
-from conveyor import registry, tokens
 from conveyor.db import schema as s
-from conveyor.web import create_app
-from tests.integration.test_http_api import auth, problem
+from tests.integration.http_support import Token, auth, problem, token_fixture
 
 pytestmark = pytest.mark.timeout(60)
 
-Token = Callable[..., str]
-
-
-@pytest.fixture(scope="module")
-def http(platform: Any) -> Iterator[TestClient]:
-    registry.write(platform.engine, platform.stages.values())
-    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
-    with TestClient(create_app(c)) as test_client:
-        yield test_client
-    c.close()
-
-
-@pytest.fixture
-def token(platform: Any) -> Token:
-    def make(owner: str, *scopes: str) -> str:
-        return tokens.create(platform.engine, owner=owner, scopes=scopes or ("read", "submit")).secret
-
-    return make
+token = token_fixture("read", "submit")
 
 
 def count(platform: Any) -> int:

@@ -9,11 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,50 +32,13 @@ from conveyor.store import JobStore
 from conveyor.web import create_app, events
 from conveyor.web.feed import FeedFilter, read_page
 from tests.helpers import job_row
-from tests.integration.test_http_serve import CONVEYOR, free_port
+from tests.integration.http_support import Token, auth, problem, serving, token_fixture
 
 pytestmark = pytest.mark.timeout(120)
 
-PROBLEM = "application/problem+json"
-Token = Callable[..., str]
+token = token_fixture("read")
 ENDPOINTS = ["/events", "/events/stream"]
 STREAM_JOBS = int(os.environ.get("CONVEYOR_STREAM_JOBS", "1000"))
-
-
-@pytest.fixture(scope="module")
-def client(platform: Any) -> Iterator[conveyor.Client]:
-    registry.write(platform.engine, platform.stages.values())
-    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture(scope="module")
-def http(client: conveyor.Client) -> Iterator[TestClient]:
-    with TestClient(create_app(client)) as test_client:
-        yield test_client
-
-
-@pytest.fixture
-def token(platform: Any) -> Token:
-    """``token(owner, *scopes)``: a new token's bearer string (scope ``read`` by default)."""
-
-    def make(owner: str, *scopes: str) -> str:
-        return tokens.create(platform.engine, owner=owner, scopes=scopes or ("read",)).secret
-
-    return make
-
-
-def auth(secret: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}"}
-
-
-def problem(resp: httpx.Response, status: int, kind: str) -> dict[str, Any]:
-    assert resp.status_code == status, resp.text
-    assert resp.headers["content-type"].startswith(PROBLEM)
-    body: dict[str, Any] = resp.json()
-    assert body["status"] == status and body["type"] == f"urn:conveyor:problem:{kind}"
-    return body
 
 
 def later(client: conveyor.Client, owner: str, n: int = 1) -> str:
@@ -272,43 +233,6 @@ def test_on_sqlite(on_sqlite: Any, tag: str) -> None:
 
 
 # -- the stream, live ---------------------------------------------------------------------
-
-
-@contextmanager
-def serving(platform: Any, log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``conveyor serve`` on a free port: its base URL and process (SIGTERM at the end)."""
-    registry.write(platform.engine, platform.stages.values())
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [CONVEYOR, "serve", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
-        yield base, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="module")

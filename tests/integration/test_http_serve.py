@@ -5,12 +5,6 @@ result; nothing the server or the commands log holds a token's secret."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,61 +12,18 @@ from typing import Any
 import httpx
 import pytest
 
-from conveyor import registry
 from conveyor.db import schema as s
+from tests.integration.http_support import conveyor_cli, serving
 
 pytestmark = pytest.mark.timeout(120)
-
-CONVEYOR = str(Path(sys.executable).parent / "conveyor")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def conveyor_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CONVEYOR, *args], capture_output=True, text=True, timeout=60, check=False)
 
 
 @pytest.fixture
 def server(platform: Any, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """``conveyor serve`` on a free port: its base URL and its log file."""
-    registry.write(platform.engine, platform.stages.values())
-    port, log = free_port(), tmp_path / "serve.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [CONVEYOR, "serve", "--port", str(port)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, "CONVEYOR_LOG_FORMAT": "json", "CONVEYOR_LOG_LEVEL": "DEBUG"},
-            start_new_session=True,
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    log = tmp_path / "serve.log"
+    with serving(platform, log, {"CONVEYOR_LOG_FORMAT": "json", "CONVEYOR_LOG_LEVEL": "DEBUG"}) as (base, _):
         yield base, log
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-    # A graceful shutdown: uvicorn finishes, then ends by the signal it caught (as supervisors expect).
-    assert proc.returncode in (0, -signal.SIGTERM), log.read_text()[-3000:]
     assert "Finished server process" in log.read_text()
 
 
