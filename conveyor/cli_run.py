@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import typer
 
 from conveyor.cli_common import cli, import_path, load_platform, migrate, run_command
 from conveyor.cli_output import console, err
+from conveyor.errors import ConfigurationError
 from conveyor.settings import ConveyorSettings
 
 
@@ -76,8 +78,11 @@ def _supervise(children: list[_Child]) -> None:
         pass
 
 
-def _up_children(platform: Any, logs: Path, *, concurrency: int | None, flower: bool) -> list[_Child]:
-    """What ``conveyor up`` runs: a worker (with the relay), beat and optionally Flower."""
+def _up_children(
+    platform: Any, logs: Path, *, concurrency: int | None, flower: bool, api: tuple[str, int] | None
+) -> list[_Child]:
+    """What ``conveyor up`` runs: a worker (with the relay), beat, the HTTP API on ``api``
+    (host, port) and optionally Flower."""
     from conveyor.procs import service_env, start_worker
 
     settings = platform.settings
@@ -97,6 +102,20 @@ def _up_children(platform: Any, logs: Path, *, concurrency: int | None, flower: 
             )
 
     children = [_Child("worker", worker), _Child("beat", beat)]
+    if api is not None:
+        host, port = api
+
+        def serve() -> subprocess.Popen[bytes]:
+            with open(logs / "api.log", "ab") as out:
+                return subprocess.Popen(
+                    [sys.executable, "-m", "conveyor", "serve", "--host", host, "--port", str(port)],
+                    env=service_env(settings),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+
+        children.append(_Child("api", serve))
     if flower:
         # One password for the whole run: a restarted Flower must not invent a new one.
         password = settings.flower_password or secrets.token_urlsafe(12)
@@ -107,12 +126,43 @@ def _up_children(platform: Any, logs: Path, *, concurrency: int | None, flower: 
     return children
 
 
+def _api_address(settings: ConveyorSettings, port: int | None) -> tuple[str, int] | None:
+    """Where ``up`` serves the HTTP API, or None: port 0, or no web extra (said once).
+
+    Raises:
+        ConfigurationError: the port is taken (another ``up`` or server holds it).
+    """
+    port = settings.http_port if port is None else port
+    if port == 0:
+        return None
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        err.print("conveyor up: no HTTP API (install conveyor[web] for it)")
+        return None
+    host = settings.http_host
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ConfigurationError(
+                f"cannot serve the HTTP API on {host}:{port} ({exc.strerror}): "
+                "pass --http-port N (0: no API) or set CONVEYOR_HTTP_PORT"
+            ) from None
+    return host, port
+
+
 @cli.command()
 def up(
     concurrency: int = typer.Option(None, help="worker pool size (default: setting)"),
     flower: bool = typer.Option(False, help="also run Flower (basic auth, read-only)"),
+    http_port: int = typer.Option(
+        None, help="the HTTP API's port (default: CONVEYOR_HTTP_PORT, 8000; 0: no API)"
+    ),
 ) -> None:
-    """Run everything in one: services (embedded if unset), migrations, worker+relay, beat.
+    """Run everything in one: services (embedded if unset), migrations, worker+relay, beat,
+    and the HTTP API (with the web extra) on http://127.0.0.1:8000.
 
     A child that exits is restarted (after 1 s, doubling per quick exit, up to 60 s); Ctrl-C
     or SIGTERM stops everything.
@@ -125,6 +175,7 @@ def up(
 
         base = ConveyorSettings()
         home = base.resolved_home()
+        api = _api_address(base, http_port)
         services = attach(base) if base.redis_url and base.database_url else None
         services = services or start_embedded(base)
         info = RunInfo(
@@ -147,12 +198,15 @@ def up(
             migrate(platform)
             logs = home / "logs"
             logs.mkdir(exist_ok=True)
-            children = _up_children(platform, logs, concurrency=concurrency, flower=flower)
+            children = _up_children(platform, logs, concurrency=concurrency, flower=flower, api=api)
             for child in children:
                 child.start()
             console.print(
                 f"[green]conveyor up[/green]: redis {services.redis_url} · db {services.database_url}"
             )
+            if api is not None:
+                url = f"http://{api[0]}:{api[1]}"
+                console.print(f"HTTP API on {url} (docs: {url}/docs; a token: conveyor tokens create)")
             console.print(f"logs in {logs}; Ctrl-C to stop")
             _supervise(children)
             return 0

@@ -132,6 +132,11 @@ class ConveyorSettings(BaseSettings):
     )
 
     flower_port: int = 5555
+    http_host: str = Field("127.0.0.1", description="where `conveyor up` serves the HTTP API")
+    http_port: int = Field(8000, ge=0, le=65535, description="its port (0: `conveyor up` serves no API)")
+    http_max_held: int = Field(
+        32, ge=1, description="event streams and job waits one API server process holds open at once"
+    )
     flower_user: str = "conveyor"
     flower_password: str | None = None
 

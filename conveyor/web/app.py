@@ -22,7 +22,7 @@ from conveyor.db.schema import tokens
 from conveyor.settings import ConveyorSettings
 from conveyor.web import dead_letters, dry_run, events, jobs, problems
 from conveyor.web.auth import client_of
-from conveyor.web.limits import BodyLimit, body_limit
+from conveyor.web.limits import BodyLimit, HeldLimit, body_limit
 from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
 
 TITLE = "Conveyor"
@@ -63,6 +63,7 @@ def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> F
     )
     app.state.conveyor_client = client
     app.state.conveyor_streams_end = threading.Event()  # see conveyor.web.events.streams_end
+    app.state.conveyor_held = HeldLimit(client.settings.http_max_held)
     app.add_middleware(BodyLimit, max_bytes=body_limit(client.settings.max_payload_bytes))
     problems.install(app)
     app.include_router(dry_run.router)  # before /jobs/{job_id}

@@ -29,11 +29,13 @@ from pydantic import BaseModel, Field
 from sqlalchemy import Engine, RowMapping
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from conveyor.web.auth import Caller, Reader, client_of
 from conveyor.web.feed import FeedFilter, FeedPage, read_page
+from conveyor.web.limits import Held, held_limit
 from conveyor.web.problems import Problem, responses
 
 log = logging.getLogger("conveyor.web")
@@ -144,7 +146,8 @@ def list_events(
     description="Scope `read`; the filters of `GET /events`. Each event is sent as `id: <cursor>`, "
     "`event: <topic>`, `data: <the event as JSON>`; a reconnecting client sends `Last-Event-ID` "
     "(wins over `since`) and receives every later event once, in order. A `: keep-alive` comment "
-    "comes after 15 s without events.",
+    "comes after 15 s without events. 503 `busy` when the server holds its most streams and "
+    "waits (`CONVEYOR_HTTP_MAX_HELD`) open already.",
     responses={
         200: {
             "description": "the stream; it ends only when the server stops or the database does not answer "
@@ -170,15 +173,22 @@ async def stream_events(
     where = _filter(caller, job, flow, batch, owner)
     engine = client_of(request).connections.engine
     start = last_event_id if last_event_id is not None else since
+    held = held_limit(request.app).hold("a stream")
     try:
         # The first read answers a bad cursor or a database outage as a problem, before streaming.
         first = await run_in_threadpool(read_page, engine, start, where, STREAM_PAGE)
     except ValueError:
+        held.release()
         raise _invalid_cursor("Last-Event-ID" if last_event_id is not None else "since") from None
+    except BaseException:
+        held.release()
+        raise
     return StreamingResponse(
-        _stream(engine, where, first, streams_end(request.app)),
+        _stream(engine, where, first, streams_end(request.app), held),
         media_type=SSE,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        # Also when the client went away and the stream was cancelled before its finally ran.
+        background=BackgroundTask(held.release),
     )
 
 
@@ -190,26 +200,29 @@ def streams_end(app: FastAPI) -> threading.Event:
 
 
 async def _stream(
-    engine: Engine, where: FeedFilter, page: FeedPage, end: threading.Event
+    engine: Engine, where: FeedFilter, page: FeedPage, end: threading.Event, held: Held
 ) -> AsyncIterator[str]:
     """The stream's frames until ``end`` is set. Starlette cancels it when the client disconnects."""
-    yield f"retry: {RETRY_MS}\n\n"
-    sent = time.monotonic()
-    while not end.is_set():
-        if page.rows:
-            yield "".join(_frame(FeedEvent.from_row(r)) for r in page.rows)
-            sent = time.monotonic()
-        elif time.monotonic() - sent >= HEARTBEAT_SECONDS:
-            yield ": keep-alive\n\n"
-            sent = time.monotonic()
-        if not page.full:
-            await anyio.sleep(POLL_SECONDS)
-        try:
-            page = await run_in_threadpool(read_page, engine, page.cursor, where, STREAM_PAGE)
-        except (DBAPIError, PoolTimeout) as exc:
-            # The client reconnects with its Last-Event-ID and loses nothing.
-            log.warning("event stream ended: the database did not answer (%s)", type(exc).__name__)
-            return
+    try:
+        yield f"retry: {RETRY_MS}\n\n"
+        sent = time.monotonic()
+        while not end.is_set():
+            if page.rows:
+                yield "".join(_frame(FeedEvent.from_row(r)) for r in page.rows)
+                sent = time.monotonic()
+            elif time.monotonic() - sent >= HEARTBEAT_SECONDS:
+                yield ": keep-alive\n\n"
+                sent = time.monotonic()
+            if not page.full:
+                await anyio.sleep(POLL_SECONDS)
+            try:
+                page = await run_in_threadpool(read_page, engine, page.cursor, where, STREAM_PAGE)
+            except (DBAPIError, PoolTimeout) as exc:
+                # The client reconnects with its Last-Event-ID and loses nothing.
+                log.warning("event stream ended: the database did not answer (%s)", type(exc).__name__)
+                return
+    finally:
+        held.release()
 
 
 def _frame(event: FeedEvent) -> str:

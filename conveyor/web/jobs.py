@@ -12,9 +12,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Query, Request, Response
 
-from conveyor.db.schema import Row
+from conveyor.db.schema import TERMINAL, Row
 from conveyor.handle import JobHandle
 from conveyor.web.auth import Caller, Reader, Submitter, client_of
+from conveyor.web.limits import held_limit
 from conveyor.web.models import CancelRequest, JobDetail, SubmitRequest, SubmittedJob, events_of
 from conveyor.web.models import Job as JobView
 from conveyor.web.problems import Problem, responses
@@ -91,7 +92,9 @@ def submit(request: Request, response: Response, caller: Submitter, body: Submit
     response_model=JobDetail,
     operation_id="getJob",
     summary="Show a job and its events",
-    description="Scope `read`. Another owner's job is 404 unless the token is `admin`.",
+    description="Scope `read`. Another owner's job is 404 unless the token is `admin`. With "
+    "`wait=S`, answers when the job is terminal or after S seconds, whichever comes first (the job "
+    "as it is then either way; 503 `busy` when the server holds its most waits and streams open).",
     responses=responses(*AUTH, 404, 503),
 )
 def show(
@@ -101,10 +104,22 @@ def show(
     events_since: Annotated[
         str | None, Query(max_length=100, description="an events_cursor from an earlier answer")
     ] = None,
+    wait: Annotated[
+        float | None, Query(ge=0, le=30, description="seconds to wait for the job to be terminal")
+    ] = None,
 ) -> JobDetail:
     """The job's state, attempts, progress, result or error, and its events."""
     handle = client_of(request).job(job_id)
     row = _visible_row(handle, caller)
+    if wait and row["status"] not in TERMINAL:
+        held = held_limit(request.app).hold("a wait")
+        try:
+            handle.wait(timeout=wait)
+        except TimeoutError:
+            pass  # answered as it is now
+        finally:
+            held.release()
+        row = handle.row()
     try:
         found, cursor = handle.events(since=events_since)
     except ValueError:

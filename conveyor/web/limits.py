@@ -1,13 +1,18 @@
-"""A bound on request bodies: a submit carries a payload of at most
-``CONVEYOR_MAX_PAYLOAD_BYTES``, so a body much larger than that is refused (413) before
-anything parses it, whether it declares its length or comes in chunks."""
+"""Bounds of the HTTP API: on request bodies (a submit carries a payload of at most
+``CONVEYOR_MAX_PAYLOAD_BYTES``, so a body much larger than that is refused, 413, before
+anything parses it, whether it declares its length or comes in chunks), and on requests
+held open (event streams, waits for a job), so that they never take every thread or
+connection a server process has (503 past ``CONVEYOR_HTTP_MAX_HELD``)."""
 
 from __future__ import annotations
 
+import threading
+
+from fastapi import FastAPI
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from conveyor.web.problems import MEDIA_TYPE
+from conveyor.web.problems import MEDIA_TYPE, Problem
 
 SLACK = 64 * 1024  # the submit's other fields, JSON escapes
 
@@ -70,4 +75,44 @@ class BodyLimit:
         await JSONResponse(body, status_code=413, media_type=MEDIA_TYPE)(scope, receive, send)
 
 
-__all__ = ["BodyLimit", "body_limit"]
+class Held:
+    """One request held open, counted until :meth:`release` (idempotent)."""
+
+    def __init__(self, slots: threading.BoundedSemaphore) -> None:
+        self._slots: threading.BoundedSemaphore | None = slots
+
+    def release(self) -> None:
+        """Give the slot back (a second call does nothing)."""
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.release()
+
+
+class HeldLimit:
+    """At most ``size`` requests held open at once in one server process."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._slots = threading.BoundedSemaphore(size)
+
+    def hold(self, what: str) -> Held:
+        """A slot for a request held open, or 503 (``busy``, ``Retry-After``) when all are taken."""
+        if not self._slots.acquire(blocking=False):
+            raise Problem(
+                503,
+                "busy",
+                "Service unavailable",
+                f"this server holds {self.size} streams and waits open already ({what} refused); "
+                "try again shortly, or another server",
+                headers={"Retry-After": "5"},
+            )
+        return Held(self._slots)
+
+
+def held_limit(app: FastAPI) -> HeldLimit:
+    """The app's bound on requests held open."""
+    limit: HeldLimit = app.state.conveyor_held
+    return limit
+
+
+__all__ = ["BodyLimit", "Held", "HeldLimit", "body_limit", "held_limit"]

@@ -5,6 +5,8 @@ with the client's validation and idempotency, show, cancel, and problem details.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -120,6 +122,48 @@ def test_submit_by_name_is_run_by_a_worker_and_shown(
     assert later.json()["events"] == []
     bad_cursor = http.get(f"/jobs/{made['id']}", params={"events_since": "x:y:z"}, headers=auth(secret))
     problem(bad_cursor, 422, "invalid-cursor")
+
+
+def test_show_waits_for_the_job_when_asked(http: TestClient, token: Token, worker: Any, tag: str) -> None:
+    secret = token(f"alice-{tag}")
+    made = submit(http, secret, payload={"n": 8}).json()
+    shown = http.get(f"/jobs/{made['id']}", params={"wait": 20}, headers=auth(secret)).json()
+    assert shown["status"] == s.SUCCEEDED and shown["result"] == {"n": 64}
+    # Not terminal within the wait: the job as it is then, not an error.
+    delayed = submit(http, secret, delay=60).json()
+    started = time.monotonic()
+    resp = http.get(f"/jobs/{delayed['id']}", params={"wait": 1}, headers=auth(secret))
+    assert resp.status_code == 200 and resp.json()["status"] == s.QUEUED
+    assert 0.9 <= time.monotonic() - started < 10
+    problem(http.get(f"/jobs/{delayed['id']}", params={"wait": 31}, headers=auth(secret)), 422)
+
+
+def test_waits_held_open_are_bounded(platform: Any, token: Token, tag: str) -> None:
+    settings = platform.settings.model_copy(update={"http_max_held": 1})
+    c = conveyor.Client(settings)
+    with TestClient(create_app(c)) as api:
+        secret = token(f"alice-{tag}")
+        made = api.post(
+            "/jobs",
+            json={"stage": "conveyor.demo.square", "payload": {"n": 1}, "delay": 60},
+            headers=auth(secret),
+        ).json()
+        first: list[int] = []
+        holder = threading.Thread(
+            target=lambda: first.append(
+                api.get(f"/jobs/{made['id']}", params={"wait": 3}, headers=auth(secret)).status_code
+            )
+        )
+        holder.start()
+        time.sleep(1)
+        busy = problem(api.get(f"/jobs/{made['id']}", params={"wait": 1}, headers=auth(secret)), 503, "busy")
+        assert "try again" in busy["detail"]
+        # A show that does not wait is never refused.
+        assert api.get(f"/jobs/{made['id']}", headers=auth(secret)).status_code == 200
+        holder.join(10)
+        assert first == [200]
+        assert api.get(f"/jobs/{made['id']}", params={"wait": 0.2}, headers=auth(secret)).status_code == 200
+    c.close()
 
 
 def test_an_idempotency_key_twice_is_one_job_per_owner(

@@ -31,6 +31,7 @@ from conveyor.events import sequence_events
 from conveyor.store import JobStore
 from conveyor.web import create_app, events
 from conveyor.web.feed import FeedFilter, read_page
+from conveyor.web.limits import HeldLimit
 from tests.helpers import job_row
 from tests.integration.http_support import Token, auth, problem, serving, token_fixture
 
@@ -200,13 +201,16 @@ def test_the_stream_sends_heartbeats_while_nothing_happens(
 
     async def first_frames() -> list[str]:
         end = threading.Event()
-        stream = events._stream(platform.engine, where, read_page(platform.engine, None, where, 10), end)
+        page = read_page(platform.engine, None, where, 10)
+        stream = events._stream(platform.engine, where, page, end, slots.hold("a stream"))
         frames = [await anext(stream) for _ in range(3)]
         end.set()  # the server shuts down: the stream ends
         frames += [frame async for frame in stream]
         return frames
 
+    slots = HeldLimit(1)
     assert anyio.run(first_frames) == ["retry: 2000\n\n", ": keep-alive\n\n", ": keep-alive\n\n"]
+    slots.hold("another").release()  # the ended stream gave its slot back
 
 
 def test_on_sqlite(on_sqlite: Any, tag: str) -> None:
@@ -328,3 +332,49 @@ def test_a_shutdown_ends_open_streams_at_once(
         assert time.monotonic() - asked < 5, "the shutdown waited for the open stream"
     assert "graceful shutdown exceeded" not in log.read_text()
     assert "Finished server process" in log.read_text()
+
+
+def test_streams_held_open_are_bounded_and_a_closed_one_frees_its_slot(
+    platform: Any, client: conveyor.Client, token: Token, tmp_path: Path, tag: str
+) -> None:
+    log = tmp_path / "serve.log"
+    mine = later(client, f"alice-{tag}")
+    headers = auth(token(f"alice-{tag}"))
+    params = {"job": mine}
+    with (
+        serving(platform, log, {"CONVEYOR_HTTP_MAX_HELD": "2"}) as (base, _),
+        httpx.Client(base_url=base, timeout=10) as sse,
+    ):
+
+        def opened() -> Any:
+            resp = sse.send(
+                sse.build_request("GET", "/events/stream", params=params, headers=headers), stream=True
+            )
+            return resp
+
+        first, second = opened(), opened()
+        assert first.status_code == second.status_code == 200
+        held = sse_events(second)  # kept: a collected reader would close the response
+        assert next(held)["event"] == "job.submitted"
+        third = opened()
+        third.read()
+        problem(third, 503, "busy")
+        assert third.headers["Retry-After"] == "5"
+        # A wait for a job is held open too; a plain read is not.
+        assert sse.get(f"/jobs/{mine}", params={"wait": 1}, headers=headers).status_code == 503
+        assert sse.get(f"/jobs/{mine}", headers=headers).status_code == 200
+        first.close()  # the client hangs up: its slot is free again once the server notices
+
+        def reopened() -> bool:
+            resp = opened()
+            if resp.status_code == 200:
+                resp.close()
+                return True
+            resp.read()
+            return False
+
+        deadline = time.monotonic() + 10
+        while not reopened():
+            assert time.monotonic() < deadline, "a closed stream kept its slot"
+            time.sleep(0.5)
+        second.close()
