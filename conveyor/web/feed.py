@@ -14,8 +14,9 @@ family): ``batch`` matches events whose body carries that ``batch_id``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from sqlalchemy import Engine, RowMapping, func, select
+from sqlalchemy import ColumnElement, Engine, RowMapping, String, func, literal_column, select
 
 from conveyor.db.engine import reading
 from conveyor.db.schema import job_events, jobs
@@ -72,11 +73,19 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
         if where.job is not None:
             q = q.where(job_events.c.job_id == where.job)
         if where.batch is not None:
-            q = q.where(job_events.c.body["batch_id"].as_string() == where.batch)
+            q = q.where(_batch_of_body(conn.dialect.name) == where.batch)
         rows = list(conn.execute(q.order_by(position).limit(limit)).mappings())
     if len(rows) == limit:
         return FeedPage(rows, str(rows[-1]["position"]), True)
     return FeedPage(rows, str(head), False)
+
+
+def _batch_of_body(dialect: str) -> ColumnElement[Any]:
+    """The ``batch_id`` of an event's body, written as migration 0014 indexes it."""
+    body = job_events.c.body
+    if dialect == "sqlite":
+        return func.json_extract(body, literal_column("'$.batch_id'"), type_=String)
+    return body.op("->>", return_type=String)(literal_column("'batch_id'"))
 
 
 __all__ = ["FeedFilter", "FeedPage", "check_cursor", "read_page"]

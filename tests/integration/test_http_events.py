@@ -378,3 +378,26 @@ def test_streams_held_open_are_bounded_and_a_closed_one_frees_its_slot(
             assert time.monotonic() < deadline, "a closed stream kept its slot"
             time.sleep(0.5)
         second.close()
+
+
+def _plan(engine: Any, dialect: str) -> str:
+    from sqlalchemy import text
+
+    from conveyor.web.feed import _batch_of_body
+
+    order = job_events.c.seq if dialect == "postgresql" else job_events.c.id
+    q = select(job_events.c.id).where(_batch_of_body(dialect) == "b-1").order_by(order).limit(10)
+    with engine.connect() as conn:
+        sql = str(q.compile(conn, compile_kwargs={"literal_binds": True}))
+        if dialect == "postgresql":
+            conn.execute(text("SET enable_seqscan = off"))
+            return "\n".join(conn.execute(text(f"EXPLAIN {sql}")).scalars())
+        return "\n".join(str(r[-1]) for r in conn.execute(text(f"EXPLAIN QUERY PLAN {sql}")))
+
+
+def test_the_batch_filter_reads_its_index(platform: Any) -> None:
+    assert "ix_job_events_batch" in _plan(platform.engine, "postgresql")
+
+
+def test_the_batch_filter_reads_its_index_on_sqlite(on_sqlite: Any) -> None:
+    assert "ix_job_events_batch" in _plan(on_sqlite.engine, "sqlite")
