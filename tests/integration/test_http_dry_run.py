@@ -9,7 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select
 
+import conveyor
 from conveyor.db import schema as s
+from conveyor.web import create_app
 from tests.integration.http_support import Token, auth, problem, token_fixture
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,3 +100,49 @@ def test_reasons_and_nothing_inserted(http: TestClient, platform: Any, token: To
     assert lease["would_run_now"] is False and [r["code"] for r in lease["reasons"]] == ["lease_held"]
     assert lease["reasons"][0]["job_id"] is None
     assert count(platform) == rows
+
+
+def test_rate_limit_and_concurrency_as_redis_holds_them_now(platform: Any, token: Token, tag: str) -> None:
+    """The two best-effort reasons read the keys a worker's admission writes: a slot taken
+    by a running job fills a cap of one, a token taken empties a bucket of one."""
+    from conveyor.admission import Admission
+    from conveyor.settings import RateLimit, StageOverride
+
+    stage = "conveyor.demo.square"
+    settings = platform.settings.model_copy(
+        update={
+            "key_prefix": f"dry{tag}:",
+            "rate_limits": {"demo": RateLimit(rate=0.01, burst=1)},
+            "stages": {stage: StageOverride(concurrency=1)},
+        }
+    )
+    c = conveyor.Client(settings)
+    try:
+        admission = Admission(
+            lambda: c.connections.redis, key_prefix=settings.key_prefix, slot_ttl=30, busy_wait=1
+        )
+        with TestClient(create_app(c)) as api:
+            secret = token(f"alice-{tag}")
+            assert codes(dry(api, secret)) == []
+            running = admission.check(queue="demo", rate=None, stage=stage, concurrency=1, job_id="running")
+            assert running.slot is not None
+            assert codes(dry(api, secret)) == ["concurrency"]
+            admission.release(running.slot)
+            assert codes(dry(api, secret)) == []
+            assert (
+                admission.check(
+                    queue="demo",
+                    rate=RateLimit(rate=0.01, burst=1),
+                    stage=stage,
+                    concurrency=None,
+                    job_id="x",
+                ).reason
+                is None
+            )
+            answer = dry(api, secret).json()
+            assert [r["code"] for r in answer["reasons"]] == ["rate_limited"]
+            assert (
+                answer["best_effort"] == ["rate_limited", "concurrency"] and answer["would_run_now"] is False
+            )
+    finally:
+        c.close()
