@@ -42,7 +42,14 @@ from conveyor.connections import Connections
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
 from conveyor.enlist import Enlistment
-from conveyor.errors import PayloadInvalid, RetryRefused, SubmitFailed, UnknownStage, describe
+from conveyor.errors import (
+    PayloadInvalid,
+    RetryNeedsDeployment,
+    RetryRefused,
+    SubmitFailed,
+    UnknownStage,
+    describe,
+)
 from conveyor.followers import Followers
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
@@ -142,8 +149,15 @@ class DeadLetters:
 
     def retry(self, entry_id: int, *, by: str = "api") -> str | None:
         """Retry one entry (see :meth:`DeadLetterQueue.retry`); returns the job id, or None
-        when the entry is not open or its job is not dead."""
+        when the entry is not open or its job is not dead. Raises
+        :class:`RetryNeedsDeployment` for a stage with a hook: :meth:`request_retry` it."""
         return self._hookless().retry(entry_id, by=by)
+
+    def request_retry(self, entry_id: int, *, by: str = "api") -> bool:
+        """Ask a worker to retry the entry with its stage's ``on_retry`` hook (the next
+        reconciling pass of a worker's relay does, or records why not in ``retry_refused``).
+        False when the entry is not open."""
+        return self._queue.request_retry(entry_id, by=by)
 
     def retry_all(
         self,
@@ -154,11 +168,22 @@ class DeadLetters:
         until: dt.datetime | None = None,
         by: str = "api",
         refused: builtins.list[RetryRefused] | None = None,
+        requested: builtins.list[int] | None = None,
     ) -> builtins.list[str]:
-        """Retry every open entry matching the filters; refusals go to ``refused``."""
-        return self._hookless().retry_all(
-            stage=stage, queue=queue, since=since, until=until, by=by, refused=refused
+        """Retry every open entry matching the filters; refusals go to ``refused``. With
+        ``requested``, an entry whose stage has a hook is asked of a worker instead
+        (:meth:`request_retry`) and its id goes there."""
+        seen: builtins.list[RetryRefused] = []
+        ids = self._hookless().retry_all(
+            stage=stage, queue=queue, since=since, until=until, by=by, refused=seen
         )
+        for exc in seen:
+            entry = exc.entry_id if isinstance(exc, RetryNeedsDeployment) else None
+            if requested is not None and entry is not None and self.request_retry(entry, by=by):
+                requested.append(entry)
+            elif refused is not None:
+                refused.append(exc)
+        return ids
 
     def purge(
         self,

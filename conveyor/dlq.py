@@ -12,12 +12,14 @@ from __future__ import annotations
 import builtins
 import contextlib
 import datetime as dt
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.engine import RowMapping
+from sqlalchemy.exc import DBAPIError
 
 from conveyor.connections import Connections
 from conveyor.db import schema as s
@@ -31,6 +33,8 @@ from conveyor.registry import RegisteredStage
 from conveyor.stage import StageSpec
 from conveyor.stages import Stages
 from conveyor.store import JobStore, new_event
+
+log = logging.getLogger("conveyor.dlq")
 
 
 @dataclass
@@ -222,7 +226,8 @@ class DeadLetterQueue:
                 why = "may have an on_retry hook (the registry does not say)"
             raise RetryNeedsDeployment(
                 f"not retried: stage {stage} {why}, which only the deployment's code handles; retry "
-                f"entry {entry_id} with `conveyor dlq retry {entry_id}`"
+                f"entry {entry_id} with `conveyor dlq retry {entry_id}`",
+                entry_id=entry_id,
             )
         policy = row.dedup_policy()
         return _Rerun(row.max_attempts, policy.mode if policy else "simple", None)
@@ -234,6 +239,57 @@ class DeadLetterQueue:
             return self.stages.spec(stage)
         except ConfigurationError:  # a stage since removed: retry it with the defaults
             return None
+
+    def request_retry(self, entry_id: int, *, by: str) -> bool:
+        """Ask a worker to retry the entry (for a stage whose ``on_retry`` hook only the
+        deployment's code runs): recorded now, performed by the next reconciling pass of a
+        worker's relay (:meth:`run_requested`). False when the entry is not open."""
+        with self.connections.engine.begin() as conn:
+            res = conn.execute(
+                update(dead_letters)
+                .where(
+                    dead_letters.c.id == entry_id,
+                    dead_letters.c.retried_at.is_(None),
+                    dead_letters.c.job_id.is_not(None),
+                )
+                .values(retry_requested_at=db_now(), retry_requested_by=by[:200], retry_refused=None)
+            )
+        return res.rowcount == 1
+
+    def run_requested(self, limit: int = 50) -> int:
+        """Perform the retries clients asked for (a worker's relay calls this: it has the
+        stages' hooks), oldest request first. Each entry ends retried, or keeps its request
+        cleared with ``retry_refused`` saying why (a refusal or a failing hook is not
+        retried forever); a database error leaves the request for the next pass. Returns
+        how many were retried."""
+        with reading(self.connections.engine) as conn:
+            requested = conn.execute(
+                select(dead_letters.c.id, dead_letters.c.retry_requested_by)
+                .where(dead_letters.c.retry_requested_at.is_not(None), dead_letters.c.retried_at.is_(None))
+                .order_by(dead_letters.c.retry_requested_at)
+                .limit(limit)
+            ).all()
+        retried = 0
+        for entry_id, by in requested:
+            why: str | None = None
+            try:
+                if self.retry(int(entry_id), by=by or "api") is None:
+                    why = "not retried: its job is no longer dead (retried or finished meanwhile)"
+            except RetryRefused as exc:
+                why = str(exc)
+            except DBAPIError:
+                raise
+            except Exception as exc:  # the stage's own on_retry hook failed
+                log.exception("the requested retry of dead letter %s failed", entry_id)
+                why = f"not retried: the stage's on_retry hook raised {type(exc).__name__}: {exc}"[:2000]
+            with self.connections.engine.begin() as conn:
+                conn.execute(
+                    update(dead_letters)
+                    .where(dead_letters.c.id == entry_id)
+                    .values(retry_requested_at=None, retry_refused=why)
+                )
+            retried += why is None
+        return retried
 
     def retry_all(
         self,

@@ -172,8 +172,9 @@ class RetryNeedsDeployment(RetryRefused):
     """A DLQ retry asked of a client (the HTTP API) for a stage that has, or may have, an
     ``on_retry`` hook: only the deployment's code can run it (``conveyor dlq retry``)."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, entry_id: int | None = None) -> None:
         super().__init__(message, holder=None)
+        self.entry_id = entry_id
 
 
 class PayloadTooLarge(PayloadInvalid):

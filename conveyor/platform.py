@@ -166,6 +166,7 @@ class Platform:
             reconciler=reconciler,
             deliveries=self.deliveries,
             deduper=self.deduper,
+            dlq=self.dlq,
         )
 
     # -- connections ----------------------------------------------------------------------

@@ -40,6 +40,7 @@ class TickReport:
     dead: int = 0
     expired: int = 0
     purged: int = 0
+    retried: int = 0  # dead letters whose requested retry a worker performed
     skipped_lock: bool = False
     skipped_busy: bool = False  # SQLite's writer was held by a long transaction
 

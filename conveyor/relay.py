@@ -23,6 +23,7 @@ from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.db.engine import brief_write
 from conveyor.db.schema import jobs
 from conveyor.dedup import Deduplicator
+from conveyor.dlq import DeadLetterQueue
 from conveyor.errors import DatabaseBusy
 from conveyor.events import sequence_events
 from conveyor.flow import Flow
@@ -51,8 +52,10 @@ class Relay:
         reconciler: Reconciler,
         deliveries: Deliveries,
         deduper: Deduplicator,
+        dlq: DeadLetterQueue | None = None,
     ) -> None:
         self.connections = connections
+        self.dlq = dlq  # with the stages' hooks: performs the retries clients requested
         self.store = store
         self.flow = flow
         self.reconciler = reconciler
@@ -120,6 +123,8 @@ class Relay:
             self.deliveries.forget(worker)
         self._copy_dedup_events()
         self.reconciler.after_commit()
+        if reconcile and self.dlq is not None:
+            report.retried = self.dlq.run_requested()
         for row, task_id in marked:
             self._publish(row, task_id)
         report.published = sum(1 for r, _ in marked if r["published_at"] is None)

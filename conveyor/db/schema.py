@@ -161,7 +161,13 @@ dead_letters = Table(
     Column("created_at", Timestamp(), nullable=False),
     Column("retried_at", Timestamp(), nullable=True),
     Column("retried_by", String(200), nullable=True),
+    # A retry asked of a worker (the entry's stage has an on_retry hook a client cannot run):
+    # the relay performs it and clears the request, or records why it refused.
+    Column("retry_requested_at", Timestamp(), nullable=True),
+    Column("retry_requested_by", String(200), nullable=True),
+    Column("retry_refused", Text, nullable=True),
     Index("ix_dead_letters_open", "retried_at", "id"),
+    Index("ix_dead_letters_requested", "retry_requested_at"),
     Index("ix_dead_letters_job", "job_id"),
     Index("ix_dead_letters_created", "created_at"),
 )

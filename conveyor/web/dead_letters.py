@@ -21,7 +21,7 @@ import binascii
 import datetime as dt
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import RowMapping
 
@@ -52,6 +52,10 @@ class DeadLetter(BaseModel):
     created_at: dt.datetime
     retried_at: dt.datetime | None
     retried_by: str | None
+    retry_requested_at: dt.datetime | None = Field(
+        description="a retry asked of a worker (its stage has an on_retry hook), not yet performed"
+    )
+    retry_refused: str | None = Field(description="why a worker refused the last requested retry")
 
     @classmethod
     def from_row(cls, row: RowMapping) -> DeadLetter:
@@ -102,14 +106,22 @@ class Retried(BaseModel):
 
     retried: int
     job_ids: list[str]
+    requested: list[int] = Field(
+        description="entries whose stage has an on_retry hook: asked of a worker, which retries them "
+        "on its next reconciling pass"
+    )
     refused: list[str] = Field(description="why each refused entry stays open")
 
 
 class RetriedOne(BaseModel):
-    """The job a retry sent back to ``queued``."""
+    """The job a retry sent back to ``queued`` (200), or will (202, ``requested``)."""
 
     job_id: str
     entry_id: int
+    requested: bool = Field(
+        description="true: the stage has an on_retry hook, so a worker performs the retry on its "
+        "next reconciling pass (watch the job, or the entry's retried_at and retry_refused)"
+    )
 
 
 class Purged(BaseModel):
@@ -208,13 +220,14 @@ def show(request: Request, caller: Admin, entry_id: EntryId) -> DeadLetterDetail
     operation_id="retryDeadLetters",
     summary="Retry every open entry matching a filter",
     description="Scope `admin`. An empty filter retries every open entry. Entries of stages with "
-    "an `on_retry` hook, and those whose dedup id another live job holds, are refused and stay "
-    "open (listed in `refused`).",
+    "an `on_retry` hook are asked of a worker (listed in `requested`); those whose dedup id another "
+    "live job holds are refused and stay open (listed in `refused`).",
     responses=responses(*AUTH, 422, 503),
 )
 def retry_all(request: Request, caller: Admin, body: Filter) -> Retried:
     """Retry the matching entries, as the caller's token."""
     refused: list[RetryRefused] = []
+    requested: list[int] = []
     ids = client_of(request).dlq.retry_all(
         stage=body.stage,
         queue=body.queue,
@@ -222,8 +235,9 @@ def retry_all(request: Request, caller: Admin, body: Filter) -> Retried:
         until=_utc(body.until),
         by=caller.name,
         refused=refused,
+        requested=requested,
     )
-    return Retried(retried=len(ids), job_ids=ids, refused=[str(e) for e in refused])
+    return Retried(retried=len(ids), job_ids=ids, requested=requested, refused=[str(e) for e in refused])
 
 
 @router.post(
@@ -252,26 +266,34 @@ def purge(request: Request, caller: Admin, body: PurgeRequest) -> Purged:
     operation_id="retryDeadLetter",
     summary="Retry one entry",
     description="Scope `admin`. Sends the job back to `queued` with a fresh attempt budget and "
-    "closes the entry. 409 when the entry is already retried or its job is not dead, when another "
-    "live job holds its dedup id, or (`retry-needs-deployment`) when its stage has an `on_retry` "
-    "hook: retry that one with `conveyor dlq retry`.",
-    responses=responses(*AUTH, 404, 409, 503),
+    "closes the entry (200). When its stage has an `on_retry` hook (deployment code), the retry is "
+    "asked of a worker instead (202, `requested`), which performs it on its next reconciling pass "
+    "or records why not in the entry's `retry_refused`. 409 when the entry is already retried or "
+    "its job is not dead, or when another live job holds its dedup id.",
+    responses={
+        202: {"model": RetriedOne, "description": "asked of a worker"},
+        **responses(*AUTH, 404, 409, 503),
+    },
 )
-def retry(request: Request, caller: Admin, entry_id: EntryId) -> RetriedOne:
-    """Retry one entry, as the caller's token."""
+def retry(request: Request, response: Response, caller: Admin, entry_id: EntryId) -> RetriedOne:
+    """Retry one entry, as the caller's token (or ask a worker to, for a stage with a hook)."""
     dlq = client_of(request).dlq
-    if dlq.show(entry_id) is None:
+    row = dlq.show(entry_id)
+    if row is None:
         raise _not_found(entry_id)
     try:
         job_id = dlq.retry(entry_id, by=caller.name)
-    except RetryNeedsDeployment as exc:
-        raise Problem(409, "retry-needs-deployment", "Retry needs the deployment", str(exc)) from None
+    except RetryNeedsDeployment:
+        if dlq.request_retry(entry_id, by=caller.name):
+            response.status_code = 202
+            return RetriedOne(job_id=row["job_id"], entry_id=entry_id, requested=True)
+        job_id = None
     except RetryRefused as exc:
         raise Problem(409, "retry-refused", "Retry refused", str(exc)) from None
     if job_id is None:
         detail = f"entry {entry_id} is already retried, or its job is not dead"
         raise Problem(409, "not-retryable", "Not retryable", detail)
-    return RetriedOne(job_id=job_id, entry_id=entry_id)
+    return RetriedOne(job_id=job_id, entry_id=entry_id, requested=False)
 
 
 __all__ = ["router"]

@@ -131,7 +131,7 @@ def test_retry_one_runs_the_job_again(
     job_id, entry = dead_job(http, platform, token(f"alice-{tag}", "submit"), 1)
     resp = http.post(f"/dead-letters/{entry}/retry", headers=admin)
     assert resp.status_code == 200, resp.text
-    assert resp.json() == {"job_id": job_id, "entry_id": entry}
+    assert resp.json() == {"job_id": job_id, "entry_id": entry, "requested": False}
     again = open_entry(platform, job_id)  # broken dies again: it ran once more
     assert again != entry
     job = http.get(f"/jobs/{job_id}", headers=admin).json()
@@ -141,7 +141,7 @@ def test_retry_one_runs_the_job_again(
     problem(http.post(f"/dead-letters/{entry}/retry", headers=admin), 409, "not-retryable")
 
 
-def test_retry_all_by_filter_and_a_stage_with_a_hook_is_refused(
+def test_retry_all_by_filter_and_a_stage_with_a_hook_is_asked_of_a_worker(
     http: TestClient, platform: Any, worker: Any, token: Token, tag: str
 ) -> None:
     admin = auth(token(f"ops-{tag}"))
@@ -154,14 +154,44 @@ def test_retry_all_by_filter_and_a_stage_with_a_hook_is_refused(
         for _, entry in dead:
             conn.execute(update(s.dead_letters).where(s.dead_letters.c.id == entry).values(stage=stage))
         conn.execute(update(s.jobs).where(s.jobs.c.id == hooked_job).values(stage=hooked))
-    resp = http.post(f"/dead-letters/{hooked_entry}/retry", headers=admin)
-    assert "conveyor dlq retry" in problem(resp, 409, "retry-needs-deployment")["detail"]
     done = http.post("/dead-letters/retry", json={"stage": stage}, headers=admin).json()
     assert done["retried"] == 2 and sorted(done["job_ids"]) == sorted(j for j, _ in dead)
-    assert done["refused"] == []
+    assert done["refused"] == [] and done["requested"] == []
     for job_id, _ in dead:
         open_entry(platform, job_id)
-    assert http.get(f"/dead-letters/{hooked_entry}", headers=admin).json()["retried_at"] is None
+    # The hook is deployment code: the API asks a worker, whose relay runs it and retries.
+    resp = http.post(f"/dead-letters/{hooked_entry}/retry", headers=admin)
+    assert resp.status_code == 202, resp.text
+    assert resp.json() == {"job_id": hooked_job, "entry_id": hooked_entry, "requested": True}
+    deadline = time.monotonic() + 20
+    while (entry := http.get(f"/dead-letters/{hooked_entry}", headers=admin).json())["retried_at"] is None:
+        assert entry["retry_refused"] is None, entry
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.2)
+    assert entry["retried_by"].startswith("token:") and entry["retry_requested_at"] is None
+    topics = [e["topic"] for e in http.get(f"/jobs/{hooked_job}", headers=admin).json()["events"]]
+    assert topics.count("job.dlq_retried") == 1
+    again = http.post(f"/dead-letters/{hooked_entry}/retry", headers=admin)
+    problem(again, 409, "not-retryable")
+
+
+def test_a_requested_retry_the_worker_cannot_perform_says_why(
+    http: TestClient, platform: Any, worker: Any, token: Token, tag: str
+) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    hooked = next(name for name, spec in platform.stages.items() if spec.on_retry is not None)
+    job_id, entry_id = dead_job(http, platform, token(f"alice-{tag}", "submit"), 5)
+    with platform.engine.begin() as conn:
+        conn.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(stage=hooked))
+    assert platform.dlq.request_retry(entry_id, by="test")
+    with platform.engine.begin() as conn:  # meanwhile someone finished the job another way
+        conn.execute(update(s.jobs).where(s.jobs.c.id == job_id).values(status=s.SUCCEEDED))
+    deadline = time.monotonic() + 20
+    while (entry := http.get(f"/dead-letters/{entry_id}", headers=admin).json())["retry_refused"] is None:
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.2)
+    assert "no longer dead" in entry["retry_refused"]
+    assert entry["retried_at"] is None and entry["retry_requested_at"] is None  # not tried forever
 
 
 def test_purge_by_filter_refuses_an_empty_one(
