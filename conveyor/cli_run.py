@@ -236,9 +236,11 @@ def worker(
     def main() -> int:
         platform = load_platform()
         if metrics_port:
+            from conveyor.gauges import StateCollector
             from conveyor.metrics import serve
 
-            serve(metrics_port, str(platform.metrics.enable()))
+            state = StateCollector(platform.connections, [q.name for q in platform.queues])
+            serve(metrics_port, str(platform.metrics.enable()), [state])
         from conveyor.shutdown import BoundedShutdown
 
         BoundedShutdown(platform.connections, flow=platform.flow).install()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,20 @@ class Metrics:
         self._runtime: Any = None
 
     def enable(self) -> Path:
-        """Create the metrics (before any pool child forks); returns their directory."""
-        directory = self.settings.metrics_dir or (self.settings.resolved_home() / "metrics")
+        """Create the metrics (before any pool child forks); returns their directory: one
+        of this worker's own, so counters start at zero with each worker (as Prometheus
+        expects of a restarted process), the directories of workers no longer running
+        removed."""
+        base = self.settings.metrics_dir or (self.settings.resolved_home() / "metrics")
+        directory = base / f"worker-{os.getpid()}"
+        if base.is_dir():
+            for old in base.glob("worker-*"):
+                if old != directory and not _alive(old.name.removeprefix("worker-")):
+                    shutil.rmtree(old, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
-        # prometheus_client picks multiprocess mode from this variable when metrics are made.
-        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(directory))
+        # prometheus_client picks multiprocess mode from this variable when metrics are made;
+        # pool children inherit it.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
         from prometheus_client import Counter, Histogram
 
         for name in COUNTERS:
@@ -57,11 +68,27 @@ class Metrics:
             self._runtime.labels(stage=stage).observe(seconds)
 
 
-def serve(port: int, directory: str) -> None:
-    """Serve the aggregated multiprocess metrics on ``port`` (a daemon thread)."""
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` (a directory name's) still runs on this host."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def serve(port: int, directory: str, collectors: Sequence[Any] = ()) -> None:
+    """Serve the aggregated multiprocess metrics, and ``collectors`` (read at scrape time),
+    on ``port`` (a daemon thread)."""
     from prometheus_client import CollectorRegistry, start_http_server
     from prometheus_client.multiprocess import MultiProcessCollector
 
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=directory)  # type: ignore[no-untyped-call]
+    for collector in collectors:
+        registry.register(collector)
     start_http_server(port, registry=registry)
