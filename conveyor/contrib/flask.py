@@ -30,6 +30,10 @@ set to ``None`` leaves the environment's. Each app gets its own
 :class:`conveyor.Client` (``app.extensions["conveyor"].client``), made on first use and
 closed when the process exits. ``db.session`` (a ``scoped_session``) is resolved to the
 request's session before the job joins its transaction.
+
+The HTTP API (:mod:`conveyor.web`) can be served by the app itself, under a prefix, on
+the same client: ``mount_api(app, "/conveyor")`` (the ``flask`` extra brings FastAPI and
+``a2wsgi``, which runs it inside the WSGI app).
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import difflib
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from flask import Flask, current_app, has_app_context
 from pydantic import BaseModel, ValidationError
@@ -51,6 +55,9 @@ from conveyor.dedup import Reuse
 from conveyor.errors import ConfigurationError
 from conveyor.handle import JobHandle
 from conveyor.settings import ConveyorSettings
+
+if TYPE_CHECKING:
+    from conveyor.web.wsgi import Mounted
 
 EXTENSION = "conveyor"
 PREFIX = "CONVEYOR_"
@@ -219,4 +226,24 @@ class Conveyor:
         return self.client.cancel(job_id, by=by, reason=reason)
 
 
-__all__ = ["Conveyor", "ConveyorState", "settings_from_config"]
+def mount_api(app: Flask, prefix: str = "/conveyor") -> Mounted:
+    """Serve Conveyor's HTTP API (:mod:`conveyor.web`) under ``prefix`` of ``app``, on the
+    extension's client for ``app``: ``app.wsgi_app`` becomes a dispatcher that sends the
+    requests under the prefix to the API (WSGI, through ``a2wsgi``) and every other one to
+    the app as before (its routes, hooks and error handlers see none of the API's).
+    The API is built at its first request; call this before or after ``init_app``.
+    Returns the dispatcher (``.api.application`` is the API's FastAPI app)."""
+    from conveyor.web.wsgi import mount
+
+    def client() -> Client:
+        state = app.extensions.get(EXTENSION)
+        if not isinstance(state, ConveyorState):
+            raise RuntimeError(f"Conveyor is not set up on app {app.name!r}: call init_app(app) first")
+        return state.client
+
+    mounted = mount(app.wsgi_app, prefix, client)
+    app.wsgi_app = mounted  # type: ignore[method-assign]
+    return mounted
+
+
+__all__ = ["Conveyor", "ConveyorState", "mount_api", "settings_from_config"]

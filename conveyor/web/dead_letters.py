@@ -191,9 +191,8 @@ def list_entries(
         return DeadLetterPage(items=items, next_cursor=None, next=None)
     token = _cursor(items[-1].id)
     query = request.url.include_query_params(cursor=token).query
-    return DeadLetterPage(
-        items=items, next_cursor=token, next=f"{request.scope.get('root_path', '')}{request.url.path}?{query}"
-    )
+    # The request's whole path: a mounted API's prefix (root_path) is already in it.
+    return DeadLetterPage(items=items, next_cursor=token, next=f"{request.url.path}?{query}")
 
 
 @router.get(

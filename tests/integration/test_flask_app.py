@@ -20,7 +20,7 @@ import pytest
 import requests
 
 from config.migrations import upgrade
-from conveyor import registry
+from conveyor import registry, tokens
 from conveyor.db import schema as s
 from conveyor.db.engine import make_engine
 from tests.helpers import bound_to, effect_count, eventually, job_row, scratch_database
@@ -138,6 +138,61 @@ def test_a_rolled_back_savepoint_drops_its_job_only(
         assert platform.job(ids["kept"]).wait(30) == s.SUCCEEDED
         assert effect_count(platform, note=tag) == 1
         assert job_row(platform, ids["dropped"]) is None and effect_count(platform, note=tag + "-x") == 0
+
+
+def test_the_mounted_http_api_submits_and_shows_jobs_beside_the_shops_routes(
+    shop: str, shop_db: str, platform: Any, worker: Any
+) -> None:
+    """``mount_api(app, "/conveyor")`` in the shop: the API on the extension's client (the
+    shop's database from app.config, not the environment's), under the prefix."""
+    engine = make_engine(shop_db, pool_size=1)
+    try:
+        secret = tokens.create(engine, owner="shop", scopes=("read", "submit")).secret
+    finally:
+        engine.dispose()
+    bearer = {"Authorization": f"Bearer {secret}"}
+    api = f"{shop}/conveyor"
+    with bound_to(platform, shop_db):
+        created = requests.post(
+            f"{api}/jobs",
+            json={"stage": "conveyor.demo.square", "payload": {"n": 6}},
+            headers=bearer,
+            timeout=10,
+        )
+        assert created.status_code == 201, created.text
+        job = created.json()
+        assert created.headers["Location"] == f"/conveyor/jobs/{job['id']}" and job["owner"] == "shop"
+
+        def finished() -> Any:
+            shown = requests.get(f"{shop}{created.headers['Location']}", headers=bearer, timeout=10)
+            assert shown.status_code == 200, shown.text
+            return shown.json() if shown.json()["status"] in s.TERMINAL else None
+
+        done = eventually(finished, timeout=30)
+        assert done["status"] == "succeeded" and done["result"] == {"n": 36}
+        assert "job.succeeded" in [e["topic"] for e in done["events"]]
+
+        # Server-Sent Events pass through the WSGI server as they are written.
+        with requests.get(
+            f"{api}/events/stream", params={"job": job["id"]}, headers=bearer, stream=True, timeout=10
+        ) as stream:
+            assert stream.status_code == 200 and stream.headers["Content-Type"].startswith(
+                "text/event-stream"
+            )
+            topics: list[str] = []
+            for line in stream.iter_lines(decode_unicode=True):
+                if line.startswith("event: "):
+                    topics.append(line.removeprefix("event: "))
+                if "job.succeeded" in topics:
+                    break
+            assert topics[0] == "job.submitted"
+
+    refused = requests.post(f"{api}/jobs", json={"stage": "conveyor.demo.square"}, timeout=10)
+    assert refused.status_code == 401 and refused.json()["instance"] == "/conveyor/jobs"
+    assert requests.get(f"{api}/health", timeout=10).json() == {"status": "ok"}
+    assert requests.get(f"{shop}/health", timeout=5).json() == {"config": str(SHOP / "config.py")}
+    assert requests.get(f"{shop}/orders/0", timeout=5).status_code == 404  # the shop's own 404 page
+    assert "/conveyor/openapi.json" in requests.get(f"{api}/docs", timeout=10).text
 
 
 def test_listeners_stay_constant_over_a_thousand_requests(platform: Any, shop_db: str) -> None:

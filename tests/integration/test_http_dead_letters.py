@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select, update
+from werkzeug.test import Client as WerkzeugClient
 
 from conveyor.db import schema as s
+from conveyor.web.wsgi import mount
 from tests.integration.http_support import Token, auth, problem, token_fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -122,6 +124,28 @@ def test_cursor_pages_have_no_duplicates_nor_gaps_while_entries_arrive(
         entries(platform, stage, 2)  # newer entries arrive between pages
         url, pages = page["next"], pages + 1
     assert seen == sorted(before, reverse=True) and pages == 4
+
+
+def test_next_keeps_the_prefix_the_api_is_mounted_under(
+    client: Any, platform: Any, token: Token, tag: str
+) -> None:
+    """Mounted in a WSGI app (conveyor.web.wsgi), the prefix is the API's root_path: ``next``
+    names it once."""
+
+    def shop(environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"the shop's own"]
+
+    http = WerkzeugClient(mount(shop, "/ops/conveyor", lambda: client))
+    admin = auth(token(f"ops-{tag}"))
+    stage = f"conveyor.demo.m{tag}"
+    entries(platform, stage, 3)
+    first = http.get(f"/ops/conveyor/dead-letters?stage={stage}&limit=2", headers=admin)
+    assert first.status_code == 200, first.text
+    assert first.json["next"].startswith(f"/ops/conveyor/dead-letters?stage={stage}&limit=2&cursor=")
+    second = http.get(first.json["next"], headers=admin).json
+    assert len(second["items"]) == 1 and second["next"] is None
+    assert http.get("/ops/dead-letters").text == "the shop's own"
 
 
 def test_retry_one_runs_the_job_again(

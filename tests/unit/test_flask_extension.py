@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from flask import Flask
 
-from conveyor.contrib.flask import Conveyor, ConveyorState, _close_all, settings_from_config
+from conveyor.contrib.flask import Conveyor, ConveyorState, _close_all, mount_api, settings_from_config
 from conveyor.errors import ConfigurationError
 
 PACKAGE = Path(__file__).resolve().parents[2] / "conveyor"
@@ -85,6 +85,46 @@ def test_created_with_an_app_it_works_outside_an_app_context() -> None:
     app = make_app("solo", CONVEYOR_DATABASE_URL="postgresql://a@db/solo")
     ext = Conveyor(app)
     assert ext.client is app.extensions["conveyor"].client
+
+
+NOWHERE = {
+    "CONVEYOR_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none",
+    "CONVEYOR_REDIS_URL": "redis://127.0.0.1:1/0",
+}
+
+
+def test_mount_api_serves_the_api_under_its_prefix_built_at_its_first_request() -> None:
+    app = make_app("mounted", **NOWHERE)
+    mounted = mount_api(app, "conveyor/")  # before init_app: the client is looked up per request
+    Conveyor(app)
+
+    @app.get("/ping")
+    def ping() -> dict[str, bool]:
+        return {"pong": True}
+
+    http = app.test_client()
+    assert http.get("/ping").json == {"pong": True}
+    assert http.get("/conveyorx").status_code == 404  # Flask's own 404: not under the prefix
+    state = app.extensions["conveyor"]
+    assert state._client is None and mounted.api._api is None  # nothing built, nothing connected
+
+    refused = http.post("/conveyor/jobs", json={"stage": "conveyor.demo.square"})
+    assert refused.status_code == 401 and refused.content_type.startswith("application/problem+json")
+    assert refused.json["instance"] == "/conveyor/jobs"
+    assert mounted.api.application.state.conveyor_client is state.client  # the extension's client
+    docs = http.get("/conveyor/docs")
+    assert docs.status_code == 200 and "/conveyor/openapi.json" in docs.text
+    assert http.get("/conveyor/openapi.json").json["servers"] == [{"url": "/conveyor"}]
+    assert http.get("/ping").json == {"pong": True}
+
+
+def test_mount_api_refuses_the_root_and_needs_init_app() -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        mount_api(make_app("root"), "/")
+    app = make_app("bare")
+    mount_api(app)
+    with pytest.raises(RuntimeError, match="init_app"):
+        app.test_client().get("/conveyor/health")
 
 
 def test_only_the_flask_module_imports_flask() -> None:

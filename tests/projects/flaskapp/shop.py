@@ -1,6 +1,7 @@
 """A small Flask shop that calls Conveyor: an order and its job commit in one transaction.
 
 Run from this directory: ``flask --app shop run`` (``SHOP_DATABASE_URL``, ``SHOP_REDIS_URL``).
+Conveyor's HTTP API is mounted under ``/conveyor``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from flask_sqlalchemy import SQLAlchemy
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 import config
-from conveyor.contrib.flask import Conveyor
+from conveyor.contrib.flask import Conveyor, mount_api
 
 
 class Base(DeclarativeBase):
@@ -99,6 +100,7 @@ def create_app() -> Flask:
     app.config.from_object("config")
     db.init_app(app)
     jobs.init_app(app)
+    mount_api(app, "/conveyor")  # the HTTP API on the extension's client, at /conveyor/jobs, ...
     app.register_blueprint(bp)
     with app.app_context():
         db.create_all()

@@ -16,6 +16,7 @@ INSTALLED_APPS = [
     "shop",
 ]
 ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"  # Conveyor's HTTP API mounted at /conveyor
 DATABASES = {
     "default": {
         "ENGINE": "django.db.backends.postgresql",
