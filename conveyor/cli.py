@@ -14,6 +14,7 @@ import typer
 from conveyor import cli_output as out
 from conveyor import (
     cli_run,  # noqa: F401  (registers up, worker, beat, flower and demo)
+    cli_top,  # noqa: F401  (registers top)
     cli_web,  # noqa: F401  (registers serve, openapi and tokens)
 )
 from conveyor.cli_common import (
