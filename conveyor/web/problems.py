@@ -204,6 +204,7 @@ _DESCRIPTIONS = {
     404: "Not Found (another owner's too)",
     409: "Conflict",
     413: "Content Too Large",
+    415: "Unsupported Media Type",
     422: "Unprocessable Content",
     503: "Service Unavailable: the database did not answer",
 }

@@ -18,12 +18,16 @@ as that many bytes arrived, and then nothing of it is kept.
 from __future__ import annotations
 
 import datetime as dt
+import functools
+import logging
 import re
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import contextmanager
 from typing import IO, Annotated, Any, Literal, cast
 
+import anyio
 import anyio.from_thread
+import anyio.to_thread
 from fastapi import APIRouter, Body, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import RowMapping
@@ -34,12 +38,14 @@ from conveyor.errors import RetryRefused
 from conveyor.platform import Platform
 from conveyor.web.auth import Caller, Reader, Submitter
 from conveyor.web.limits import streamed
-from conveyor.web.problems import Problem, responses
+from conveyor.web.problems import Problem, responses, unavailable
 from pipelines import files as pipeline
+from tasks.files import flow
 from tasks.files.errors import FileRejected, FileTooLarge, StorageUnavailable, UploadInterrupted
 from tasks.files.flow import BatchClosed
-from tasks.files.storage import too_large
+from tasks.files.storage import StorageRejected, too_large
 
+log = logging.getLogger("conveyor.files")
 router = APIRouter(tags=["batches"])
 
 AUTH = (401, 403)
@@ -47,6 +53,9 @@ _ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
 BatchId = Annotated[str, Path(min_length=1, max_length=64, description="the batch's id")]
 FileId = Annotated[str, Path(min_length=1, max_length=64, description="the file's id")]
 NAME_MAX = 1000  # characters of ?name= (stored names keep their last 500)
+# Uploads stream in threads of their own: slow ones wait for their senders there, never
+# holding the threads every other endpoint runs in (more uploads than this queue up).
+UPLOADS_AT_ONCE = 32
 
 FileStatus = Literal[
     "uploaded", "queued", "extracting", "chunking", "embedding", "ready", "failed", "cancelled"
@@ -177,6 +186,8 @@ def _answers(kind: str, value: str) -> Iterator[None]:
     """The pipeline's errors as problem documents."""
     try:
         yield
+    except KeyError:
+        raise  # a bug, not a missing batch
     except LookupError:
         raise _not_found(kind, value) from None
     except BatchClosed as exc:
@@ -185,10 +196,9 @@ def _answers(kind: str, value: str) -> Iterator[None]:
         raise Problem(413, "file-too-large", "File too large", str(exc)) from None
     except UploadInterrupted as exc:
         raise Problem(400, "upload-interrupted", "Upload interrupted", str(exc)) from None
-    except StorageUnavailable as exc:
-        raise Problem(
-            503, "unavailable", "Service unavailable", str(exc), headers={"Retry-After": "5"}
-        ) from None
+    except (StorageUnavailable, StorageRejected) as exc:  # not the caller's doing; keys stay ours
+        log.warning("file storage failed: %s", exc)
+        raise unavailable("the file storage did not answer; try again") from None
     except FileRejected as exc:
         raise Problem(422, "file-rejected", "File rejected", str(exc)) from None
     except RetryRefused as exc:
@@ -285,10 +295,17 @@ def _max_bytes() -> int:
     return _settings().files.max_bytes
 
 
+def _uploads(request: Request) -> anyio.CapacityLimiter:
+    """The threads uploads stream in (one set per app)."""
+    state = request.app.state
+    limiter: anyio.CapacityLimiter | None = getattr(state, "files_uploads", None)
+    if limiter is None:
+        limiter = state.files_uploads = anyio.CapacityLimiter(UPLOADS_AT_ONCE)
+    return limiter
+
+
 def _upload_owner(platform: Platform, batch_id: str, caller: Caller) -> str:
     """Whose the upload is: the batch's owner, when the caller may see the batch (else 404)."""
-    from tasks.files import flow
-
     with platform.engine.connect() as conn:
         row = flow.batch_summary(conn, batch_id)
     if row is None or not caller.sees(row["owner"]):
@@ -303,12 +320,12 @@ def _upload_owner(platform: Platform, batch_id: str, caller: Caller) -> str:
     operation_id="uploadFile",
     summary="Upload a file into a batch",
     description="Scope `submit`. The request body is the file's content, as it is (any "
-    "`Content-Type`; `curl --data-binary @report.pdf`), streamed to storage as it arrives; "
-    "`name` is the file's name. Over `files.max_bytes` (25 MiB by default) it is refused with "
-    "413: before anything is read when `Content-Length` says so, else once that much arrived "
-    "(nothing of it is kept). The file is `uploaded` and counted in its batch: confirm it to "
+    "`Content-Type` but a multipart form: `curl --data-binary @report.pdf`), streamed to storage "
+    "as it arrives; `name` is the file's name. Over `files.max_bytes` (25 MiB by default) it is "
+    "refused with 413: before anything is read when `Content-Length` says so, else once that much "
+    "arrived (nothing of it is kept). The file is `uploaded` and counted in its batch: confirm it to "
     "process it. 409 when the batch is sealed or has its expected count.",
-    responses=responses(*AUTH, 404, 409, 413, 422, 503),
+    responses=responses(*AUTH, 404, 409, 413, 415, 422, 503),
     openapi_extra={
         "requestBody": {
             "required": True,
@@ -337,6 +354,9 @@ async def upload_file(
 
 
 async def _store(request: Request, caller: Caller, batch_id: str, name: str, body: _Body) -> UploadedFile:
+    if request.headers.get("content-type", "").lower().startswith("multipart/"):
+        detail = "send the file's content as the request body itself (curl --data-binary @FILE), not a form"
+        raise Problem(415, "unsupported-media-type", "Unsupported Media Type", detail)
     max_bytes = _max_bytes()
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
@@ -345,15 +365,14 @@ async def _store(request: Request, caller: Caller, batch_id: str, name: str, bod
     platform = _platform()
     owner = await run_in_threadpool(_upload_owner, platform, _checked("batch", batch_id), caller)
     item = pipeline.Upload(name, stream=cast(IO[bytes], body))
+    store = functools.partial(pipeline.upload, platform, owner, item, batch_id=batch_id)
     with _answers("batch", batch_id):
-        file_id = await run_in_threadpool(pipeline.upload, platform, owner, item, batch_id=batch_id)
+        file_id = await anyio.to_thread.run_sync(store, limiter=_uploads(request))
     row = await run_in_threadpool(_file_row, platform, file_id)
     return UploadedFile(**{k: row[k] for k in UploadedFile.model_fields})
 
 
 def _file_row(platform: Platform, file_id: str) -> RowMapping:
-    from tasks.files import flow
-
     with platform.engine.connect() as conn:
         row = flow.get_file(conn, file_id)
     if row is None:  # cancelled and swept in between: as good as gone

@@ -300,9 +300,13 @@ def test_an_upload_over_max_bytes_is_413_declared_or_chunked_and_leaves_nothing(
     assert len(objects(platform) - before) == 1
 
 
+GONE = b"<disconnect>"
+
+
 def asgi_upload(app: FastAPI, path: str, secret: str, body: Any, headers: list[tuple[bytes, bytes]]) -> Any:
     """POST ``path`` to ``app`` straight through ASGI, its body pulled from the iterator
-    ``body`` a message at a time; returns (status, problem, bytes the app pulled)."""
+    ``body`` a message at a time (:data:`GONE`: the client disconnects); returns (status,
+    problem, bytes the app pulled)."""
     pulled = 0
     answer: dict[str, Any] = {"body": b""}
 
@@ -311,6 +315,8 @@ def asgi_upload(app: FastAPI, path: str, secret: str, body: Any, headers: list[t
         chunk = next(body, None)
         if chunk is None:
             return {"type": "http.request", "body": b"", "more_body": False}
+        if chunk is GONE:
+            return {"type": "http.disconnect"}
         pulled += len(chunk)
         return {"type": "http.request", "body": chunk, "more_body": True}
 
@@ -351,6 +357,32 @@ def test_the_app_refuses_by_content_length_before_reading_and_stops_reading_a_ch
     status, body, pulled = asgi_upload(app, path, alice, iter(lambda: b"b" * 65536, None), [])
     assert (status, body["type"]) == (413, "urn:conveyor:problem:file-too-large")
     assert small_limit < pulled <= small_limit + 65536  # one chunk past the limit, never more
+    status, body, pulled = asgi_upload(app, path, alice, iter([b"c" * 1000, GONE]), [])
+    assert (status, body["type"]) == (400, "urn:conveyor:problem:upload-interrupted")
+    assert stored_files(platform, f"alice-{tag}") == 0
+
+
+def test_a_storage_outage_is_503_and_leaves_no_file(
+    http: TestClient, platform: Any, token: Token, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pipelines.files
+    from tasks.files.errors import StorageUnavailable
+
+    class Down:
+        def ref_for(self, key: str) -> str:
+            return f"file://{key}"
+
+        def put_stream(self, key: str, source: Any, max_bytes: int) -> Any:
+            raise StorageUnavailable(f"storage unavailable (put {key!r}): timed out")
+
+        def delete(self, ref: str) -> None:
+            pass
+
+    alice = token(f"alice-{tag}")
+    batch_id = new_batch(http, alice)["id"]
+    monkeypatch.setattr(pipelines.files, "_new_storage", Down)
+    down = problem(send(http, alice, batch_id, "a.txt", b"text"), 503, "unavailable")
+    assert down["detail"] == "the file storage did not answer; try again" and f"alice-{tag}" not in str(down)
     assert stored_files(platform, f"alice-{tag}") == 0
 
 
@@ -409,6 +441,9 @@ def test_hostile_ids_names_and_bodies_are_4xx_never_500(http: TestClient, token:
     problem(http.post("/batches", content=b"{not json", headers=auth(alice)), 422)
     problem(send(http, alice, batch_id, "n" * 1001, b"x"), 422, "invalid-request")
     problem(http.post(f"/batches/{batch_id}/files", content=b"x", headers=auth(alice)), 422)  # no name
+    form = http.post(f"/batches/{batch_id}/files?name=a", files={"f": ("a", b"x")}, headers=auth(alice))
+    assert "--data-binary" in problem(form, 415, "unsupported-media-type")["detail"]
+    assert form.headers["Connection"] == "close"  # the form was not read
     named = {
         "a\x00b.txt": "ab.txt",
         "../../etc/passwd": "passwd",
