@@ -23,6 +23,8 @@ if not HAS_FILES:
 
 TASK_MODULES = ["tasks.demo", *(["tasks.files.stages"] if HAS_FILES else [])]
 CLI_EXTENSIONS = {"files": "tasks.files.cli:app"} if HAS_FILES else {}
+# Routers `conveyor serve` adds to the HTTP API (conveyor.web.server).
+HTTP_EXTENSIONS = {"files": "tasks.files.http:router"} if HAS_FILES else {}
 MIGRATIONS = "config.migrations:upgrade"
 
 settings = get_settings()

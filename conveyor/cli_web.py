@@ -2,8 +2,9 @@
 ``conveyor tokens create/list/revoke``.
 
 These are the caller's side: they need the services' URLs (``CONVEYOR_*``, or a running
-``conveyor up``) and Conveyor's tables, never the deployment's code. ``serve`` and
-``openapi`` need the ``web`` extra, imported only when they run.
+``conveyor up``) and Conveyor's tables, not the deployment's code; ``serve`` and
+``openapi`` add the routers a deployment names in ``HTTP_EXTENSIONS`` when there is one
+(:mod:`conveyor.web.server`). They need the ``web`` extra, imported only when they run.
 """
 
 from __future__ import annotations

@@ -1,17 +1,23 @@
 """The HTTP API's application: :func:`create_app` builds it around a
 :class:`conveyor.Client` (given, or made from settings), to serve with ``conveyor serve``
 or to mount in an app's own ASGI application (``parent.mount("/conveyor", create_app())``).
+
+A deployment adds endpoints of its own as FastAPI routers (``routers=``; ``conveyor serve``
+loads those its app module names in ``HTTP_EXTENSIONS``: see :mod:`conveyor.web.server`).
+They use the same tokens (:mod:`conveyor.web.auth`) and problem details.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy import text
 
@@ -22,7 +28,7 @@ from conveyor.db.schema import tokens
 from conveyor.settings import ConveyorSettings
 from conveyor.web import dead_letters, dry_run, events, jobs, problems
 from conveyor.web.auth import client_of
-from conveyor.web.limits import BodyLimit, HeldLimit, body_limit
+from conveyor.web.limits import BodyLimit, HeldLimit, body_limit, streamed_routes
 from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
 
 TITLE = "Conveyor"
@@ -40,10 +46,23 @@ def _version() -> str:
         return "0"
 
 
-def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> FastAPI:
+TAGS = [
+    {"name": "jobs", "description": "Submit by stage name, show, cancel."},
+    {"name": "dead-letters", "description": "List, show, retry and purge (scope `admin`)."},
+    {"name": "events", "description": "The event outbox in commit order: pages and a stream."},
+    {"name": "health", "description": "Liveness of the database."},
+]
+
+
+def create_app(
+    client_or_settings: Client | ConveyorSettings | None = None, routers: Sequence[APIRouter] = ()
+) -> FastAPI:
     """The HTTP API on ``client_or_settings``: a :class:`conveyor.Client` (the caller's,
     left open), or settings (default: the ``CONVEYOR_*`` environment) for a client of its
-    own, closed when the app shuts down. Nothing connects before the first request."""
+    own, closed when the app shuts down. Nothing connects before the first request.
+
+    ``routers``: a deployment's own endpoints, after Conveyor's. Their tags join the
+    document's list, described by the first paragraph of their module's docstring."""
     owned = not isinstance(client_or_settings, Client)
     client = client_or_settings if isinstance(client_or_settings, Client) else Client(client_or_settings)
 
@@ -64,7 +83,8 @@ def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> F
     app.state.conveyor_client = client
     app.state.conveyor_streams_end = threading.Event()  # see conveyor.web.events.streams_end
     app.state.conveyor_held = HeldLimit(client.settings.http_max_held)
-    app.add_middleware(BodyLimit, max_bytes=body_limit(client.settings.max_payload_bytes))
+    streamed = streamed_routes([route for router in routers for route in router.routes])
+    app.add_middleware(BodyLimit, max_bytes=body_limit(client.settings.max_payload_bytes), exempt=streamed)
     problems.install(app)
     app.include_router(dry_run.router)  # before /jobs/{job_id}
     app.include_router(jobs.router)
@@ -80,8 +100,27 @@ def create_app(client_or_settings: Client | ConveyorSettings | None = None) -> F
         description="No token needed. 200 when the database answers and is migrated, else 503.",
         responses=problems.responses(503),
     )
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    for router in routers:
+        app.include_router(router)
+    tags = TAGS + _tags_of(routers, {str(t["name"]) for t in TAGS})
+    app.openapi = lambda: _openapi(app, tags)  # type: ignore[method-assign]
     return app
+
+
+def _tags_of(routers: Sequence[APIRouter], known: set[str]) -> list[dict[str, str]]:
+    """The OpenAPI tags of ``routers`` not in ``known``, in order, each described by the
+    first paragraph of its router's module docstring (when it has one)."""
+    out: list[dict[str, str]] = []
+    for router in routers:
+        endpoints = [e for e in (getattr(r, "endpoint", None) for r in router.routes) if e is not None]
+        module = sys.modules.get(endpoints[0].__module__) if endpoints else None
+        doc = " ".join((inspect.getdoc(module) or "").split("\n\n")[0].split()) if module else ""
+        for tag in router.tags:
+            name = str(getattr(tag, "value", tag))
+            if name not in known:
+                known.add(name)
+                out.append({"name": name, "description": doc} if doc else {"name": name})
+    return out
 
 
 def health(request: Request) -> dict[str, str]:
@@ -98,7 +137,7 @@ def health(request: Request) -> dict[str, str]:
     return {"status": "ok"}
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _openapi(app: FastAPI, tags: list[dict[str, str]]) -> dict[str, Any]:
     """FastAPI's document, with every error as ``application/problem+json`` (its own 422
     included: malformed requests are answered as problems too)."""
     if app.openapi_schema:
@@ -108,12 +147,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         version=app.version,
         description=app.description,
         routes=app.routes,
-        tags=[
-            {"name": "jobs", "description": "Submit by stage name, show, cancel."},
-            {"name": "dead-letters", "description": "List, show, retry and purge (scope `admin`)."},
-            {"name": "events", "description": "The event outbox in commit order: pages and a stream."},
-            {"name": "health", "description": "Liveness of the database."},
-        ],
+        tags=tags,
     )
     problem_ref = {"$ref": "#/components/schemas/ProblemDetail"}
     for path in doc.get("paths", {}).values():

@@ -2,19 +2,49 @@
 ``CONVEYOR_MAX_PAYLOAD_BYTES``, so a body much larger than that is refused, 413, before
 anything parses it, whether it declares its length or comes in chunks), and on requests
 held open (event streams, waits for a job), so that they never take every thread or
-connection a server process has (503 past ``CONVEYOR_HTTP_MAX_HELD``)."""
+connection a server process has (503 past ``CONVEYOR_HTTP_MAX_HELD``).
+
+An endpoint that takes a body of its own size (an upload) is marked :func:`streamed`: it
+reads ``request.stream()`` as the body arrives and bounds it itself; the limit neither
+buffers nor bounds its body.
+"""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from fastapi import FastAPI
 from starlette.responses import JSONResponse
+from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from conveyor.web.problems import MEDIA_TYPE, Problem
 
 SLACK = 64 * 1024  # the submit's other fields, JSON escapes
+_STREAMED = "__conveyor_streamed_body__"
+
+Endpoint = TypeVar("Endpoint", bound=Callable[..., object])
+
+
+def streamed(endpoint: Endpoint) -> Endpoint:
+    """Mark ``endpoint`` as reading its request body as a stream and bounding it itself
+    (apply it beneath the route decorator): :class:`BodyLimit` passes its body through as
+    it arrives, unbuffered and unbounded."""
+    setattr(endpoint, _STREAMED, True)
+    return endpoint
+
+
+def streamed_routes(routes: Iterable[BaseRoute]) -> Callable[[Scope], bool]:
+    """Whether a request goes to one of the :func:`streamed` endpoints among ``routes`` (a
+    :class:`BodyLimit`'s ``exempt``; a router's own routes, not those of routers it includes)."""
+    marked = [r for r in routes if getattr(getattr(r, "endpoint", None), _STREAMED, False)]
+
+    def exempt(scope: Scope) -> bool:
+        return any(route.matches(scope)[0] is Match.FULL for route in marked)
+
+    return exempt
 
 
 def body_limit(max_payload_bytes: int) -> int:
@@ -26,14 +56,16 @@ def body_limit(max_payload_bytes: int) -> int:
 
 class BodyLimit:
     """ASGI middleware: read a request's body up to ``max_bytes`` (413 past it), then hand
-    it to the app in one piece."""
+    it to the app in one piece; a request that ``exempt`` says is streamed goes through as
+    it is."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: Callable[[Scope], bool] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.exempt = exempt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
             await self.app(scope, receive, send)
             return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
@@ -115,4 +147,4 @@ def held_limit(app: FastAPI) -> HeldLimit:
     return limit
 
 
-__all__ = ["BodyLimit", "Held", "HeldLimit", "body_limit", "held_limit"]
+__all__ = ["BodyLimit", "Held", "HeldLimit", "body_limit", "held_limit", "streamed", "streamed_routes"]

@@ -201,9 +201,10 @@ def install(app: FastAPI) -> None:
 _DESCRIPTIONS = {
     401: "Unauthorized: no token, or not a live one",
     403: "Forbidden: the token lacks the scope",
-    404: "Not Found (another owner's job too)",
+    404: "Not Found (another owner's too)",
     409: "Conflict",
     413: "Content Too Large",
+    415: "Unsupported Media Type",
     422: "Unprocessable Content",
     503: "Service Unavailable: the database did not answer",
 }

@@ -1,31 +1,83 @@
 """What ``conveyor serve`` runs: the app made from the environment in each server process
-(uvicorn's factory), and the OpenAPI document kept in the repository."""
+(uvicorn's factory), and the OpenAPI document kept in the repository.
+
+Both include the deployment's own endpoints: its app module (``CONVEYOR_APP``, loaded as
+the CLI loads it) names FastAPI routers by module path in ``HTTP_EXTENSIONS``, e.g.
+``{"files": "tasks.files.http:router"}``, beside ``CLI_EXTENSIONS``. Where there is no
+deployment (its module cannot be imported) the core API is served, and one log line says
+so; a deployment that is there but broken fails the server at start, loudly.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 
+from conveyor.deployment import import_object, load_app_module
+from conveyor.errors import ConfigurationError
 from conveyor.logs import configure_logging
 from conveyor.settings import ConveyorSettings
 from conveyor.web.app import create_app
 from conveyor.web.events import streams_end
 
+log = logging.getLogger("conveyor.web")
+
 
 def app_from_environment() -> FastAPI:
     """The app of one server process: settings from ``CONVEYOR_*``, Conveyor's log renderer
-    (uvicorn's own loggers included, with no access to request headers)."""
+    (uvicorn's own loggers included, with no access to request headers), the deployment's
+    routers."""
     settings = ConveyorSettings()
     configure_logging(settings)
-    app = create_app(settings)
+    app = create_app(settings, routers=deployment_routers(settings))
     _end_streams_on_exit(app)
     return app
+
+
+def deployment_routers(settings: ConveyorSettings | None = None) -> list[APIRouter]:
+    """The routers the deployment's app module names in ``HTTP_EXTENSIONS`` (none without one).
+
+    Raises:
+        ConfigurationError: the app module is there but builds no platform, or an entry
+            is not an importable ``APIRouter``; any error importing them propagates.
+    """
+    settings = settings or ConveyorSettings()
+    try:
+        module = load_app_module(settings)
+    except ConfigurationError as exc:
+        if _importable(settings.app.partition(":")[0]):
+            raise  # the deployment is there, and broken
+        log.warning("no deployment found, serving the core API only: %s", exc)
+        return []
+    extensions = getattr(module, "HTTP_EXTENSIONS", {})
+    if not isinstance(extensions, Mapping):
+        raise ConfigurationError(f"{settings.app}.HTTP_EXTENSIONS must map names to 'module:router' paths")
+    routers = []
+    for name, path in extensions.items():
+        router = import_object(str(path), settings)
+        if not isinstance(router, APIRouter):
+            raise ConfigurationError(
+                f"{settings.app}.HTTP_EXTENSIONS[{name!r}] = {path!r} is a {type(router).__name__}, "
+                "not a fastapi.APIRouter"
+            )
+        routers.append(router)
+    return routers
+
+
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be found (on the path the failed load set up)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is not there
+        return False
 
 
 def _end_streams_on_exit(app: FastAPI) -> None:
@@ -49,7 +101,9 @@ def _end_streams_on_exit(app: FastAPI) -> None:
 
 def openapi_document() -> str:
     """The OpenAPI document as kept in ``docs/openapi.json`` (stable order, one per line)."""
-    return json.dumps(create_app(ConveyorSettings()).openapi(), indent=2, sort_keys=True) + "\n"
+    settings = ConveyorSettings()
+    app = create_app(settings, routers=deployment_routers(settings))
+    return json.dumps(app.openapi(), indent=2, sort_keys=True) + "\n"
 
 
-__all__ = ["app_from_environment", "openapi_document"]
+__all__ = ["app_from_environment", "deployment_routers", "openapi_document"]

@@ -1,27 +1,32 @@
 """The HTTP API without services: its OpenAPI document (served, and kept in the repository),
-problem details for what nothing else handles, owner names and token scopes."""
+problem details for what nothing else handles, owner names and token scopes, and a
+deployment's routers (``HTTP_EXTENSIONS``)."""
 
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from conveyor.errors import OwnerInvalid, ScopeInvalid
+from conveyor.errors import ConfigurationError, OwnerInvalid, ScopeInvalid
 from conveyor.owners import callers_key, checked_owner, owned_key
 from conveyor.settings import ConveyorSettings
 from conveyor.tokens import checked_scopes
 from conveyor.web import create_app
-from conveyor.web.server import openapi_document
+from conveyor.web.server import deployment_routers, openapi_document
 
 KEPT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 REGENERATE = "conveyor openapi --output docs/openapi.json"
 
 
 def test_the_kept_openapi_document_is_the_served_one() -> None:
-    with TestClient(create_app(ConveyorSettings())) as http:
+    settings = ConveyorSettings()  # this deployment's, with its routers: as `conveyor serve` builds it
+    with TestClient(create_app(settings, routers=deployment_routers(settings))) as http:
         served = http.get("/openapi.json").json()
     assert json.loads(KEPT.read_text()) == served, f"docs/openapi.json is stale: run `{REGENERATE}`"
     assert KEPT.read_text() == openapi_document(), f"docs/openapi.json is not formatted: run `{REGENERATE}`"
@@ -48,6 +53,14 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/events", "get"),
         ("/events/stream", "get"),
         ("/health", "get"),
+        # the files family's (tasks.files.http)
+        ("/batches", "post"),
+        ("/batches/{batch_id}", "get"),
+        ("/batches/{batch_id}/files", "post"),
+        ("/files/{file_id}/confirm", "post"),
+        ("/batches/{batch_id}/seal", "post"),
+        ("/batches/{batch_id}/cancel", "post"),
+        ("/batches/{batch_id}/retry-failed", "post"),
     }
     for path, _, op in operations:
         assert (op.get("security") == [{"bearer": []}]) == (path != "/health")
@@ -88,3 +101,103 @@ def test_token_scopes() -> None:
     for bad in ([], ["write"], ["read", "root"]):
         with pytest.raises(ScopeInvalid):
             checked_scopes(bad)
+
+
+# -- a deployment's routers ---------------------------------------------------------------
+
+WIDGETS = '''"""Widgets: made to order.
+
+More about widgets.
+"""
+from fastapi import APIRouter, Request
+
+from conveyor.web.limits import streamed
+
+platform = object()
+router = APIRouter(tags=["widgets"])
+HTTP_EXTENSIONS = {"widgets": "MODULE:router"}
+
+
+@router.post("/widgets/size")
+@streamed
+async def size(request: Request) -> dict[str, int]:
+    n = 0
+    async for chunk in request.stream():
+        n += len(chunk)
+    return {"size": n}
+
+
+@router.post("/widgets/plain")
+async def plain(request: Request) -> dict[str, int]:
+    return {"size": len(await request.body())}
+'''
+
+
+def deployment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str) -> ConveyorSettings:
+    """A deployment in ``tmp_path`` whose app module is ``source`` (MODULE: its name)."""
+    name = f"app_{uuid.uuid4().hex[:12]}"
+    (tmp_path / f"{name}.py").write_text(source.replace("MODULE", name))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return ConveyorSettings(root=tmp_path, app=name, max_payload_bytes=256)
+
+
+def test_a_deployments_routers_join_the_api_and_a_streamed_endpoint_takes_any_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings = deployment(tmp_path, monkeypatch, WIDGETS)
+    routers = deployment_routers(settings)
+    assert len(routers) == 1
+    big = b"x" * 200_000  # over the API's body limit (4 x 256 bytes + 64 KiB)
+    with TestClient(create_app(settings, routers=routers)) as http:
+        assert http.post("/widgets/size", content=big).json() == {"size": len(big)}
+        assert http.post("/widgets/size", content=iter([big, big])).json() == {"size": 2 * len(big)}
+        refused = http.post("/widgets/plain", content=big)
+        assert refused.status_code == 413 and refused.json()["type"] == "urn:conveyor:problem:too-large"
+        assert http.post("/widgets/plain", content=b"small").json() == {"size": 5}
+        doc = http.get("/openapi.json").json()
+    assert {"/widgets/size", "/widgets/plain", "/jobs"} <= set(doc["paths"])
+    assert doc["tags"][-1] == {"name": "widgets", "description": "Widgets: made to order."}
+
+
+def test_without_a_deployment_the_core_api_is_served_and_one_line_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for app in ("nowhere_at_all", "nowhere_pkg.celery_app"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="conveyor.web"):
+            assert deployment_routers(ConveyorSettings(root=tmp_path, app=app)) == []
+        lines = [r.getMessage() for r in caplog.records if r.name == "conveyor.web"]
+        assert len(lines) == 1 and "core API only" in lines[0] and app.split(".")[0] in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("source", "error", "match"),
+    [
+        ("raise RuntimeError('the deployment is broken')", RuntimeError, "broken"),
+        ("import not_installed_anywhere_xyz", ModuleNotFoundError, "not_installed_anywhere_xyz"),
+        ("HTTP_EXTENSIONS = {}", ConfigurationError, "builds no Conveyor `platform`"),
+        (
+            "platform = 1\nHTTP_EXTENSIONS = {'x': 'MODULE:platform'}",
+            ConfigurationError,
+            "not a fastapi.APIRouter",
+        ),
+        ("platform = 1\nHTTP_EXTENSIONS = {'x': 'MODULE:nothing'}", ConfigurationError, "has no 'nothing'"),
+        ("platform = 1\nHTTP_EXTENSIONS = {'x': 'MODULE_gone:router'}", ConfigurationError, "cannot import"),
+        ("platform = 1\nHTTP_EXTENSIONS = ['MODULE:router']", ConfigurationError, "must map names"),
+    ],
+    ids=[
+        "raises",
+        "missing-dependency",
+        "no-platform",
+        "not-a-router",
+        "no-attribute",
+        "no-module",
+        "a-list",
+    ],
+)
+def test_a_broken_deployment_fails_loudly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: str, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        deployment_routers(deployment(tmp_path, monkeypatch, source))
