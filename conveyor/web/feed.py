@@ -5,8 +5,10 @@ Positions are gap-free in commit order (:mod:`conveyor.events`), so a page read 
 outbox's head lets a filtered reader's cursor jump to that head: a reader of one sparse
 owner or job does not scan the same unrelated events again on its next read.
 
-Events carry no owner: an event's owner is its job's (``jobs.owner``). An event without
-a job, or whose job was purged, has no owner and only an admin (no owner filter) sees it.
+An event's owner is its job's (``jobs.owner``). An event of no job or of a job of no
+owner (the deployment's own, such as the files family's ``batch.*`` and ``file.*``) is
+the owner's its body names (``owner``); one naming none only an admin (no owner filter)
+sees.
 A batch is not Conveyor's notion (batches belong to a deployment, such as the files
 family): ``batch`` matches events whose body carries that ``batch_id``.
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, RowMapping, String, func, literal_column, select
+from sqlalchemy import ColumnElement, Engine, RowMapping, String, and_, func, literal_column, or_, select
 
 from conveyor.db.engine import reading
 from conveyor.db.schema import job_events, jobs
@@ -63,29 +65,38 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
         head = conn.execute(select(func.max(position))).scalar()
         if head is None or head <= after:
             return FeedPage([], str(after), False)
+        dialect = conn.dialect.name
         q = select(job_events, position.label("position")).where(position > after, position <= head)
-        if where.owner is not None or where.flow is not None:
-            q = q.join(jobs, jobs.c.id == job_events.c.job_id)
+        if where.flow is not None:
+            q = q.join(jobs, jobs.c.id == job_events.c.job_id).where(jobs.c.flow_id == where.flow)
             if where.owner is not None:
                 q = q.where(jobs.c.owner == where.owner)
-            if where.flow is not None:
-                q = q.where(jobs.c.flow_id == where.flow)
+        elif where.owner is not None:
+            # An event of no job, or of a job of no owner (the deployment's own, such as a
+            # batch's and its files' stages), is the owner's its body names.
+            q = q.outerjoin(jobs, jobs.c.id == job_events.c.job_id).where(
+                or_(
+                    jobs.c.owner == where.owner,
+                    and_(jobs.c.owner.is_(None), _body_field(dialect, "owner") == where.owner),
+                )
+            )
         if where.job is not None:
             q = q.where(job_events.c.job_id == where.job)
         if where.batch is not None:
-            q = q.where(_batch_of_body(conn.dialect.name) == where.batch)
+            q = q.where(_body_field(dialect, "batch_id") == where.batch)
         rows = list(conn.execute(q.order_by(position).limit(limit)).mappings())
     if len(rows) == limit:
         return FeedPage(rows, str(rows[-1]["position"]), True)
     return FeedPage(rows, str(head), False)
 
 
-def _batch_of_body(dialect: str) -> ColumnElement[Any]:
-    """The ``batch_id`` of an event's body, written as migration 0014 indexes it."""
+def _body_field(dialect: str, name: str) -> ColumnElement[Any]:
+    """A text field of an event's body (``batch_id`` written as migration 0014 indexes it)."""
+    assert name.isidentifier()
     body = job_events.c.body
     if dialect == "sqlite":
-        return func.json_extract(body, literal_column("'$.batch_id'"), type_=String)
-    return body.op("->>", return_type=String)(literal_column("'batch_id'"))
+        return func.json_extract(body, literal_column(f"'$.{name}'"), type_=String)
+    return body.op("->>", return_type=String)(literal_column(f"'{name}'"))
 
 
 __all__ = ["FeedFilter", "FeedPage", "check_cursor", "read_page"]

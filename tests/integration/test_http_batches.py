@@ -127,10 +127,14 @@ def test_create_upload_confirm_seal_completes_and_the_feed_says_so(
     assert (sealed["status"], sealed["total"], sealed["ready"], sealed["sealed"]) == ("completed", 2, 2, True)
     final = shown(http, alice, batch["id"])
     assert final["status"] == "completed" and {f["status"] for f in final["files"]} == {"ready"}
-    # Batch events have no job: the feed shows them to an admin (see the README).
-    events = http.get("/events", params={"batch": batch["id"]}, headers=auth(admin)).json()["events"]
+    # Batch and file events have no job: they are the owner's their body names.
+    events = http.get("/events", params={"batch": batch["id"]}, headers=auth(alice)).json()["events"]
     topics = [e["topic"] for e in events]
     assert topics.count("batch.completed") == 1 and "batch.sealed" in topics
+    assert topics.count("file.status_changed") >= 2  # each file: queued, …, ready
+    assert events == http.get("/events", params={"batch": batch["id"]}, headers=auth(admin)).json()["events"]
+    bob = token(f"bob-{tag}")
+    assert http.get("/events", params={"batch": batch["id"]}, headers=auth(bob)).json()["events"] == []
     done = next(e for e in events if e["topic"] == "batch.completed")["body"]
     assert (done["total"], done["ready"], done["owner"]) == (2, 2, f"alice-{tag}")
 
