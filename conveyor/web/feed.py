@@ -73,14 +73,22 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
         if where.job is not None:
             q = q.where(job_events.c.job_id == where.job)
         if where.batch is not None:
-            q = q.where(_batch_of_body(conn.dialect.name) == where.batch)
+            q = q.where(batch_of_body(conn.dialect.name) == where.batch)
         rows = list(conn.execute(q.order_by(position).limit(limit)).mappings())
     if len(rows) == limit:
         return FeedPage(rows, str(rows[-1]["position"]), True)
     return FeedPage(rows, str(head), False)
 
 
-def _batch_of_body(dialect: str) -> ColumnElement[Any]:
+def head_cursor(engine: Engine) -> str:
+    """The cursor of the outbox's head: a reader starting there sees only later events."""
+    with reading(engine) as conn:
+        sequence_events(conn)
+        head = conn.execute(select(func.max(event_position(conn)))).scalar()
+    return str(head or 0)
+
+
+def batch_of_body(dialect: str) -> ColumnElement[Any]:
     """The ``batch_id`` of an event's body, written as migration 0014 indexes it."""
     body = job_events.c.body
     if dialect == "sqlite":
@@ -88,4 +96,4 @@ def _batch_of_body(dialect: str) -> ColumnElement[Any]:
     return body.op("->>", return_type=String)(literal_column("'batch_id'"))
 
 
-__all__ = ["FeedFilter", "FeedPage", "check_cursor", "read_page"]
+__all__ = ["FeedFilter", "FeedPage", "batch_of_body", "check_cursor", "head_cursor", "read_page"]
