@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select, update
 
@@ -209,3 +210,18 @@ def test_the_json_api_never_takes_the_console_cookie(
 
 def test_console_routes_stay_out_of_the_openapi_document(http: TestClient) -> None:
     assert not [p for p in http.get("/openapi.json").json()["paths"] if p.startswith("/console")]
+
+
+def test_mounted_under_a_prefix_links_and_the_cookie_keep_it(
+    client: conveyor.Client, token: Token, tag: str
+) -> None:
+    parent = FastAPI()
+    parent.mount("/conveyor", create_app(client))
+    with TestClient(parent, follow_redirects=False) as mounted:
+        resp = mounted.post("/conveyor/console/login", data={"token": token(f"alice-{tag}")})
+        assert resp.status_code == 303 and resp.headers["location"] == "/conveyor/console"
+        assert "Path=/conveyor/console" in resp.headers["set-cookie"]
+        page = mounted.get("/conveyor/console").text
+        assert 'href="/conveyor/console/static/console.css"' in page
+        assert 'data-stream="/conveyor/console/stream?since=' in page
+        assert mounted.get("/conveyor/console/static/console.js").status_code == 200
