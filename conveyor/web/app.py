@@ -26,7 +26,7 @@ from conveyor.db.engine import reading
 from conveyor.db.namespace import table_exists
 from conveyor.db.schema import tokens
 from conveyor.settings import ConveyorSettings
-from conveyor.web import dead_letters, dry_run, events, jobs, problems
+from conveyor.web import console, dead_letters, dry_run, events, jobs, problems
 from conveyor.web.auth import client_of
 from conveyor.web.limits import BodyLimit, HeldLimit, body_limit, streamed_routes
 from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
@@ -90,6 +90,7 @@ def create_app(
     app.include_router(jobs.router)
     app.include_router(dead_letters.router)
     app.include_router(events.router)
+    console.install(app)
     app.add_api_route(
         "/health",
         health,

@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
 import anyio
@@ -171,6 +171,18 @@ async def stream_events(
 ) -> StreamingResponse:
     """The events the caller sees after ``Last-Event-ID`` (or ``since``), then each new one."""
     where = _filter(caller, job, flow, batch, owner)
+    return await open_stream(request, where, since, last_event_id)
+
+
+async def open_stream(
+    request: Request,
+    where: FeedFilter,
+    since: str | None,
+    last_event_id: str | None,
+    frame: Callable[[FeedEvent], str] | None = None,
+) -> StreamingResponse:
+    """The stream of the events matching ``where`` after ``last_event_id`` (or ``since``):
+    each event as ``frame`` writes it (default: ``id``, ``event``: its topic, ``data``)."""
     engine = client_of(request).connections.engine
     start = last_event_id if last_event_id is not None else since
     held = held_limit(request.app).hold("a stream")
@@ -184,7 +196,7 @@ async def stream_events(
         held.release()
         raise
     return StreamingResponse(
-        _stream(engine, where, first, streams_end(request.app), held),
+        _stream(engine, where, first, streams_end(request.app), held, frame),
         media_type=SSE,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         # Also when the client went away and the stream was cancelled before its finally ran.
@@ -200,15 +212,21 @@ def streams_end(app: FastAPI) -> threading.Event:
 
 
 async def _stream(
-    engine: Engine, where: FeedFilter, page: FeedPage, end: threading.Event, held: Held
+    engine: Engine,
+    where: FeedFilter,
+    page: FeedPage,
+    end: threading.Event,
+    held: Held,
+    frame: Callable[[FeedEvent], str] | None = None,
 ) -> AsyncIterator[str]:
     """The stream's frames until ``end`` is set. Starlette cancels it when the client disconnects."""
+    frame = frame or _frame
     try:
         yield f"retry: {RETRY_MS}\n\n"
         sent = time.monotonic()
         while not end.is_set():
             if page.rows:
-                yield "".join(_frame(FeedEvent.from_row(r)) for r in page.rows)
+                yield "".join(frame(FeedEvent.from_row(r)) for r in page.rows)
                 sent = time.monotonic()
             elif time.monotonic() - sent >= HEARTBEAT_SECONDS:
                 yield ": keep-alive\n\n"
@@ -230,4 +248,4 @@ def _frame(event: FeedEvent) -> str:
     return f"id: {event.position}\nevent: {topic}\ndata: {event.model_dump_json()}\n\n"
 
 
-__all__ = ["EventPage", "FeedEvent", "router", "streams_end"]
+__all__ = ["EventPage", "FeedEvent", "open_stream", "router", "streams_end"]

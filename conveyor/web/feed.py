@@ -77,20 +77,28 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
             q = q.outerjoin(jobs, jobs.c.id == job_events.c.job_id).where(
                 or_(
                     jobs.c.owner == where.owner,
-                    and_(jobs.c.owner.is_(None), _body_field(dialect, "owner") == where.owner),
+                    and_(jobs.c.owner.is_(None), body_field(dialect, "owner") == where.owner),
                 )
             )
         if where.job is not None:
             q = q.where(job_events.c.job_id == where.job)
         if where.batch is not None:
-            q = q.where(_body_field(dialect, "batch_id") == where.batch)
+            q = q.where(body_field(dialect, "batch_id") == where.batch)
         rows = list(conn.execute(q.order_by(position).limit(limit)).mappings())
     if len(rows) == limit:
         return FeedPage(rows, str(rows[-1]["position"]), True)
     return FeedPage(rows, str(head), False)
 
 
-def _body_field(dialect: str, name: str) -> ColumnElement[Any]:
+def head_cursor(engine: Engine) -> str:
+    """The cursor of the outbox's head: a reader starting there sees only later events."""
+    with reading(engine) as conn:
+        sequence_events(conn)
+        head = conn.execute(select(func.max(event_position(conn)))).scalar()
+    return str(head or 0)
+
+
+def body_field(dialect: str, name: str) -> ColumnElement[Any]:
     """A text field of an event's body (``batch_id`` written as migration 0014 indexes it)."""
     assert name.isidentifier()
     body = job_events.c.body
@@ -99,4 +107,4 @@ def _body_field(dialect: str, name: str) -> ColumnElement[Any]:
     return body.op("->>", return_type=String)(literal_column(f"'{name}'"))
 
 
-__all__ = ["FeedFilter", "FeedPage", "check_cursor", "read_page"]
+__all__ = ["FeedFilter", "FeedPage", "body_field", "check_cursor", "head_cursor", "read_page"]

@@ -16,7 +16,7 @@ from conveyor.dedup import Dedup
 from conveyor.errors import PermanentError, TransientError
 from conveyor.retry import Schedule
 from conveyor.shared import current_platform, stage
-from tasks.demo.logic import mark, record_effect, square
+from tasks.demo.logic import is_fixed, mark, record_effect, square
 
 FAST_RETRY = Schedule((0.2, 0.5, 1.0))
 _kill_after_commit_of: set[str] = set()
@@ -93,6 +93,21 @@ def flaky(ctx: JobContext, p: Flaky) -> dict[str, int]:
 def broken(ctx: JobContext, p: Number) -> None:
     """Always fail permanently, with a message a person can act on."""
     raise PermanentError(f"record {p.n} cannot be processed: the input is known bad (self-check)")
+
+
+class Fixable(BaseModel):
+    """Fails until its cause is fixed (:func:`tasks.demo.logic.fix`)."""
+
+    key: str
+
+
+@stage("conveyor.demo.fixable", payload=Fixable, queue="demo", label=lambda p: f"fixable {p.key}")
+def fixable(ctx: JobContext, p: Fixable) -> dict[str, str]:
+    """Fail permanently until an effect row says ``key`` is fixed: a dead letter to retry
+    once its cause is gone (the console's test)."""
+    if not is_fixed(ctx.connection, p.key):
+        raise PermanentError(f"{p.key} is broken: fix its cause, then retry it from the dead letters")
+    return {"key": p.key}
 
 
 @stage("conveyor.demo.effect", payload=Effect, queue="demo", retry=FAST_RETRY, max_attempts=4)

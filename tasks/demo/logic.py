@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, Engine, insert
+from sqlalchemy import Connection, Engine, insert, select
 
 from conveyor.db.dialect import db_now
 from tasks.demo.models import effects
@@ -19,6 +19,17 @@ def mark(engine: Engine, *, job_id: str, stage: str, attempt: int, note: str) ->
     """A marker row committed on its own, visible at once (tests order events by it)."""
     with engine.begin() as conn:
         record_effect(conn, job_id=job_id, stage=stage, attempt=attempt, note=note)
+
+
+def fix(engine: Engine, key: str) -> None:
+    """Fix the cause of ``conveyor.demo.fixable``'s failures for ``key``."""
+    mark(engine, job_id=key[:36], stage="conveyor.demo.fixable", attempt=0, note=f"fixed:{key}")
+
+
+def is_fixed(conn: Connection, key: str) -> bool:
+    """Whether :func:`fix` ran for ``key``."""
+    found = conn.execute(select(effects.c.id).where(effects.c.note == f"fixed:{key}").limit(1)).first()
+    return found is not None
 
 
 def square(n: int) -> int:

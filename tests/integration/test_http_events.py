@@ -383,10 +383,10 @@ def test_streams_held_open_are_bounded_and_a_closed_one_frees_its_slot(
 def _plan(engine: Any, dialect: str) -> str:
     from sqlalchemy import text
 
-    from conveyor.web.feed import _body_field
+    from conveyor.web.feed import body_field
 
     order = job_events.c.seq if dialect == "postgresql" else job_events.c.id
-    q = select(job_events.c.id).where(_body_field(dialect, "batch_id") == "b-1").order_by(order).limit(10)
+    q = select(job_events.c.id).where(body_field(dialect, "batch_id") == "b-1").order_by(order).limit(10)
     with engine.connect() as conn:
         sql = str(q.compile(conn, compile_kwargs={"literal_binds": True}))
         if dialect == "postgresql":

@@ -98,6 +98,8 @@ def _top_level(names: list[str]) -> set[str]:
 def test_the_wheel_holds_only_conveyor(wheel: Path) -> None:
     with zipfile.ZipFile(wheel) as zf:
         assert _top_level(zf.namelist()) == {"conveyor"}
+        console = {"web/templates/base.html", "web/templates/_dead-letters.html", "web/static/console.js"}
+        assert {f"conveyor/{n}" for n in console} <= set(zf.namelist())  # the console's package data
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = email.parser.Parser().parsestr(zf.read(meta).decode())
     required = metadata.get_all("Requires-Dist") or []
