@@ -206,7 +206,10 @@ def up(
             )
             if api is not None:
                 url = f"http://{api[0]}:{api[1]}"
-                console.print(f"HTTP API on {url} (docs: {url}/docs; a token: conveyor tokens create)")
+                console.print(
+                    f"HTTP API on {url} (console: {url}/console, docs: {url}/docs; a token: "
+                    "conveyor tokens create --owner me --scope admin)"
+                )
             console.print(f"logs in {logs}; Ctrl-C to stop")
             _supervise(children)
             return 0

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import RedirectResponse
 from sqlalchemy import text
 
 from conveyor.client import Client
@@ -101,6 +102,7 @@ def create_app(
         description="No token needed. 200 when the database answers and is migrated, else 503.",
         responses=problems.responses(503),
     )
+    app.add_api_route("/", home, methods=["GET"], include_in_schema=False)
     for router in routers:
         app.include_router(router)
     tags = TAGS + _tags_of(routers, {str(t["name"]) for t in TAGS})
@@ -122,6 +124,11 @@ def _tags_of(routers: Sequence[APIRouter], known: set[str]) -> list[dict[str, st
                 known.add(name)
                 out.append({"name": name, "description": doc} if doc else {"name": name})
     return out
+
+
+def home(request: Request) -> RedirectResponse:
+    """The URL ``conveyor up`` prints leads a person to the console (its sign-in page)."""
+    return RedirectResponse(f"{request.scope.get('root_path', '')}/console", status_code=307)
 
 
 def health(request: Request) -> dict[str, str]:

@@ -260,6 +260,12 @@ def test_cancel_records_the_token_and_is_idempotent(
     assert tokens.listed(platform.engine, owner=f"alice-{tag}")[0].last_used_at is not None
 
 
+def test_the_root_leads_a_person_to_the_console(http: TestClient) -> None:
+    resp = http.get("/", follow_redirects=False)
+    assert resp.status_code == 307 and resp.headers["location"] == "/console"
+    assert http.get("/").url.path == "/console/login"  # not signed in yet
+
+
 def test_health_and_a_database_that_does_not_answer(http: TestClient, platform: Any, token: Token) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     down = conveyor.connect(
