@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -101,6 +104,38 @@ def scratch_database(prefix: str = "conveyor_scratch") -> Iterator[str]:
     finally:
         with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextlib.contextmanager
+def scratch_redis() -> Iterator[str]:
+    """A Redis DB no test session holds (the locks of tests/conftest.py), flushed before and
+    after, for a process whose messages no test's worker may receive; yields its URL."""
+    import redis
+
+    from tests.conftest import REDIS_BASE
+
+    for db in range(1, 12):
+        fd = os.open(
+            os.path.join(tempfile.gettempdir(), f"conveyor-test-redis-db-{db}.lock"),
+            os.O_RDWR | os.O_CREAT,
+            0o600,
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        url = f"{REDIS_BASE}/{db}"
+        conn = redis.Redis.from_url(url)
+        try:
+            conn.flushdb()
+            yield url
+        finally:
+            conn.flushdb()
+            conn.close()
+            os.close(fd)  # and with it the lock
+        return
+    raise RuntimeError("no free Redis DB (1-11): too many concurrent test sessions")
 
 
 @contextlib.contextmanager

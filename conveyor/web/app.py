@@ -30,7 +30,7 @@ from conveyor.settings import ConveyorSettings
 from conveyor.web import console, dead_letters, dry_run, events, jobs, problems
 from conveyor.web.auth import client_of
 from conveyor.web.limits import BodyLimit, HeldLimit, body_limit, streamed_routes
-from conveyor.web.problems import MEDIA_TYPE, NOT_MIGRATED, unavailable
+from conveyor.web.problems import DESCRIPTIONS, MEDIA_TYPE, NOT_MIGRATED, unavailable
 
 TITLE = "Conveyor"
 DESCRIPTION = (
@@ -160,6 +160,10 @@ def _openapi(app: FastAPI, tags: list[dict[str, str]]) -> dict[str, Any]:
     problem_ref = {"$ref": "#/components/schemas/ProblemDetail"}
     for path in doc.get("paths", {}).values():
         for operation in path.values():
+            if "requestBody" in operation:
+                # Any body may be unparseable (FastAPI's 400) or too large (BodyLimit's 413).
+                for status in (400, 413):
+                    operation["responses"].setdefault(str(status), {"description": DESCRIPTIONS[status]})
             for status, answer in operation.get("responses", {}).items():
                 if int(status) >= 400:
                     answer["content"] = {MEDIA_TYPE: {"schema": problem_ref}}

@@ -22,12 +22,14 @@ import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from sqlalchemy.engine import RowMapping
 
 from conveyor import tokens
 from conveyor.errors import RetryNeedsDeployment, RetryRefused
 from conveyor.web.auth import Caller, client_of, requires
+from conveyor.web.links import job_links, link
+from conveyor.web.models import STRICT, DateTime
 from conveyor.web.problems import Problem, responses
 
 router = APIRouter(prefix="/dead-letters", tags=["dead-letters"])
@@ -36,6 +38,16 @@ Admin = Annotated[Caller, Depends(requires(tokens.ADMIN))]
 EntryId = Annotated[int, Path(ge=1, le=2**63 - 1, description="the entry's id")]
 AUTH = (401, 403)
 CURSOR_PREFIX = "dl1:"
+
+
+def _entry_links(pointer: str, *names: str) -> dict[str, dict[str, Any]]:
+    """Links from the entry id at ``pointer`` to the entry operations named."""
+    value = f"$response.body#{pointer}"
+    every = {
+        "GetDeadLetter": link("getDeadLetter", "the entry, with its traceback", entry_id=value),
+        "RetryDeadLetter": link("retryDeadLetter", "retry the entry", entry_id=value),
+    }
+    return {name: every[name] for name in names}
 
 
 class DeadLetter(BaseModel):
@@ -83,12 +95,12 @@ class Filter(BaseModel):
     """Which entries: every given condition holds (open entries only, unless ``all`` says
     otherwise for a purge)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     stage: str | None = Field(None, min_length=1, max_length=200)
     queue: str | None = Field(None, min_length=1, max_length=100)
-    since: dt.datetime | None = Field(None, description="created at or after (naive means UTC)")
-    until: dt.datetime | None = Field(None, description="created before (naive means UTC)")
+    since: DateTime | None = Field(None, description="created at or after (naive means UTC)")
+    until: DateTime | None = Field(None, description="created before (naive means UTC)")
 
     def empty(self) -> bool:
         """Whether no condition is given."""
@@ -163,15 +175,18 @@ def _not_found(entry_id: int) -> Problem:
     description="Scope `admin`. Open entries (not yet retried) newest first, filtered by stage, "
     "queue and creation time; page on with `cursor` (entries added meanwhile never repeat nor "
     "shift a page).",
-    responses=responses(*AUTH, 422, 503),
+    responses={
+        200: {"links": _entry_links("/items/0/id", "GetDeadLetter", "RetryDeadLetter")},
+        **responses(*AUTH, 422, 503),
+    },
 )
 def list_entries(
     request: Request,
     caller: Admin,
     stage: Annotated[str | None, Query(max_length=200)] = None,
     queue: Annotated[str | None, Query(max_length=100)] = None,
-    since: Annotated[dt.datetime | None, Query(description="created at or after (naive: UTC)")] = None,
-    until: Annotated[dt.datetime | None, Query(description="created before (naive: UTC)")] = None,
+    since: Annotated[DateTime | None, Query(description="created at or after (naive: UTC)")] = None,
+    until: Annotated[DateTime | None, Query(description="created before (naive: UTC)")] = None,
     include_retried: bool = False,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     cursor: Annotated[str | None, Query(max_length=100, description="a next_cursor")] = None,
@@ -196,12 +211,12 @@ def list_entries(
 
 
 @router.get(
-    "/{entry_id}",
+    "/{entry_id:int}",
     response_model=DeadLetterDetail,
     operation_id="getDeadLetter",
     summary="Show a dead-letter entry",
     description="Scope `admin`. The entry with its traceback and headers.",
-    responses=responses(*AUTH, 404, 503),
+    responses={200: {"links": _entry_links("/id", "RetryDeadLetter")}, **responses(*AUTH, 404, 503)},
 )
 def show(request: Request, caller: Admin, entry_id: EntryId) -> DeadLetterDetail:
     """One entry, open or retried."""
@@ -221,7 +236,7 @@ def show(request: Request, caller: Admin, entry_id: EntryId) -> DeadLetterDetail
     description="Scope `admin`. An empty filter retries every open entry. Entries of stages with "
     "an `on_retry` hook are asked of a worker (listed in `requested`); those whose dedup id another "
     "live job holds are refused and stay open (listed in `refused`).",
-    responses=responses(*AUTH, 422, 503),
+    responses={200: {"links": job_links("/job_ids/0", "GetJob")}, **responses(*AUTH, 422, 503)},
 )
 def retry_all(request: Request, caller: Admin, body: Filter) -> Retried:
     """Retry the matching entries, as the caller's token."""
@@ -260,7 +275,7 @@ def purge(request: Request, caller: Admin, body: PurgeRequest) -> Purged:
 
 
 @router.post(
-    "/{entry_id}/retry",
+    "/{entry_id:int}/retry",
     response_model=RetriedOne,
     operation_id="retryDeadLetter",
     summary="Retry one entry",
@@ -270,7 +285,12 @@ def purge(request: Request, caller: Admin, body: PurgeRequest) -> Purged:
     "or records why not in the entry's `retry_refused`. 409 when the entry is already retried or "
     "its job is not dead, or when another live job holds its dedup id.",
     responses={
-        202: {"model": RetriedOne, "description": "asked of a worker"},
+        200: {"links": {**job_links("/job_id", "GetJob"), **_entry_links("/entry_id", "GetDeadLetter")}},
+        202: {
+            "model": RetriedOne,
+            "description": "asked of a worker",
+            "links": {**job_links("/job_id", "GetJob"), **_entry_links("/entry_id", "GetDeadLetter")},
+        },
         **responses(*AUTH, 404, 409, 503),
     },
 )

@@ -36,6 +36,7 @@ from starlette.responses import StreamingResponse
 from conveyor.web.auth import Caller, Reader, client_of
 from conveyor.web.feed import FeedFilter, FeedPage, read_page
 from conveyor.web.limits import Held, held_limit
+from conveyor.web.links import link
 from conveyor.web.problems import Problem, responses
 
 log = logging.getLogger("conveyor.web")
@@ -48,6 +49,7 @@ HEARTBEAT_SECONDS = 15.0  # a comment when nothing was sent for this long (proxi
 RETRY_MS = 2000  # how long a browser's EventSource waits before reconnecting
 STREAM_PAGE = 500
 SSE = "text/event-stream"
+NEXT_EVENTS = link("listEvents", "the events after these", since="$response.body#/cursor")
 
 
 class FeedEvent(BaseModel):
@@ -117,7 +119,7 @@ def _invalid_cursor(name: str) -> Problem:
     description="Scope `read`. The events after `since` (every one exactly once, in commit order, "
     "when paging on with `cursor`); the events of the token's owner's jobs unless it is `admin`. "
     "`owner=` naming another owner is 403 for a token that is not `admin`.",
-    responses=responses(*AUTH, 422, 503),
+    responses={200: {"links": {"NextEvents": NEXT_EVENTS}}, **responses(*AUTH, 422, 503)},
 )
 def list_events(
     request: Request,

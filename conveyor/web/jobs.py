@@ -16,6 +16,7 @@ from conveyor.db.schema import TERMINAL, Row
 from conveyor.handle import JobHandle
 from conveyor.web.auth import Caller, Reader, Submitter, client_of
 from conveyor.web.limits import held_limit
+from conveyor.web.links import job_links
 from conveyor.web.models import CancelRequest, JobDetail, SubmitRequest, SubmittedJob, events_of
 from conveyor.web.models import Job as JobView
 from conveyor.web.problems import Problem, responses
@@ -51,7 +52,12 @@ def _visible_row(handle: JobHandle, caller: Caller) -> Row:
     "was deduplicated (the same idempotency key, or the stage's dedup policy). The job's owner is "
     "the token's.",
     responses={
-        200: {"model": SubmittedJob, "description": "deduplicated: the existing job"},
+        201: {"links": job_links("/id", "GetJob", "CancelJob", "JobEvents")},
+        200: {
+            "model": SubmittedJob,
+            "description": "deduplicated: the existing job",
+            "links": job_links("/id", "GetJob", "CancelJob", "JobEvents"),
+        },
         **responses(*AUTH, 409, 413, 422, 503),
     },
 )
@@ -95,7 +101,7 @@ def submit(request: Request, response: Response, caller: Submitter, body: Submit
     description="Scope `read`. Another owner's job is 404 unless the token is `admin`. With "
     "`wait=S`, answers when the job is terminal or after S seconds, whichever comes first (the job "
     "as it is then either way; 503 `busy` when the server holds its most waits and streams open).",
-    responses=responses(*AUTH, 404, 503),
+    responses={200: {"links": job_links("/id", "CancelJob", "JobEvents")}, **responses(*AUTH, 404, 503)},
 )
 def show(
     request: Request,
@@ -136,7 +142,7 @@ def show(
     description="Scope `submit`. Idempotent: a queued, delayed or parked job ends `cancelled` at "
     "once; a running one is asked to stop (`cancel.requested_at` set; it ends `cancelled` at its "
     "next checkpoint); a finished job keeps its state. Returns the job as it is now.",
-    responses=responses(*AUTH, 404, 503),
+    responses={200: {"links": job_links("/id", "GetJob", "JobEvents")}, **responses(*AUTH, 404, 503)},
 )
 def cancel(
     request: Request,

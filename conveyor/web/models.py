@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 from conveyor.claims import counted_attempts
 from conveyor.db.schema import Row
@@ -14,11 +14,27 @@ from conveyor.owners import callers_key
 
 TEN_YEARS = 10 * 365 * 86400.0  # bounds on relative times (the database's intervals overflow far later)
 
+# Request bodies are strict (their JSON types are the document's: no `"priority": false`, no
+# `"dedup": 0`), but for date-times, which JSON carries as text: ISO 8601 text only, never a
+# number of seconds (pydantic's lax mode reads 5 and "5" as 1970-01-01T00:00:05Z).
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+def _iso_text(value: Any) -> Any:
+    if isinstance(value, str) and not value.strip().lstrip("+-").replace(".", "", 1).isdigit():
+        return value
+    if isinstance(value, dt.datetime):
+        return value
+    raise ValueError("Input should be an ISO 8601 date-time string")
+
+
+DateTime = Annotated[dt.datetime, Strict(False), BeforeValidator(_iso_text)]
+
 
 class SubmitRequest(BaseModel):
     """A job to submit by stage name (the options of :meth:`conveyor.Client.submit`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     stage: str = Field(min_length=1, max_length=200, examples=["conveyor.demo.square"])
     payload: dict[str, Any] = Field(
@@ -31,7 +47,7 @@ class SubmitRequest(BaseModel):
         description="a key seen before (for this owner) returns the job it made, whatever the payload",
     )
     delay: float = Field(0.0, ge=0, le=TEN_YEARS, description="seconds from now (the database's clock)")
-    run_at: dt.datetime | None = Field(None, description="when to run it (naive means UTC); wins over delay")
+    run_at: DateTime | None = Field(None, description="when to run it (naive means UTC); wins over delay")
     expires_in: float | None = Field(
         None, gt=0, le=TEN_YEARS, description="seconds after which it is not run any more"
     )
@@ -47,7 +63,7 @@ class SubmitRequest(BaseModel):
 class CancelRequest(BaseModel):
     """Why a job is cancelled (recorded with it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     reason: str | None = Field(None, max_length=500)
 
@@ -175,4 +191,14 @@ def events_of(found: list[JobEvent]) -> list[Event]:
     return [Event(id=e.id, topic=e.topic, body=e.body, position=e.position) for e in found]
 
 
-__all__ = ["CancelRequest", "Event", "Job", "JobDetail", "SubmitRequest", "SubmittedJob", "events_of"]
+__all__ = [
+    "STRICT",
+    "CancelRequest",
+    "DateTime",
+    "Event",
+    "Job",
+    "JobDetail",
+    "SubmitRequest",
+    "SubmittedJob",
+    "events_of",
+]

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -123,6 +123,19 @@ def unavailable(detail: str) -> Problem:
     return Problem(503, "unavailable", "Service unavailable", detail, headers={"Retry-After": RETRY_AFTER})
 
 
+def invalid_value(exc: DataError) -> Problem:
+    """422: the database refused a value the request carried (SQLSTATE class 22, or the
+    driver's own refusal of a NUL character): sending it again fails again, so not a 503.
+    The detail never quotes the value (the driver's words may)."""
+    nul = "NUL" in str(exc.orig) or getattr(exc.orig, "sqlstate", None) == "22P05"
+    detail = (
+        "text cannot contain NUL (\\u0000) characters"
+        if nul
+        else "a value of this request cannot be stored or compared by the database"
+    )
+    return Problem(422, "invalid-value", "Invalid value", detail)
+
+
 def _from_conveyor(exc: Exception) -> Problem:
     """The problem a Conveyor error raised by the client means."""
     if isinstance(exc, UnknownStage):
@@ -138,7 +151,8 @@ def _from_conveyor(exc: Exception) -> Problem:
             errors=field_errors(exc.problems, under="payload") or None,
         )
     if isinstance(exc, SubmitFailed):
-        return unavailable(str(exc))
+        cause = exc.__cause__
+        return invalid_value(cause) if isinstance(cause, DataError) else unavailable(str(exc))
     if isinstance(exc, NotRunning):
         return unavailable("no database is configured")
     assert isinstance(exc, ConfigurationError)
@@ -178,6 +192,8 @@ def install(app: FastAPI) -> None:
         return problem_response(request, problem)
 
     async def on_database(request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, DataError):
+            return problem_response(request, invalid_value(exc))
         log.warning("database unavailable: %s", describe(exc))
         if _missing_table(exc):
             return problem_response(request, unavailable(NOT_MIGRATED))
@@ -198,7 +214,8 @@ def install(app: FastAPI) -> None:
 
 
 # RFC 9110's words (Python's HTTPStatus phrases differ between versions).
-_DESCRIPTIONS = {
+DESCRIPTIONS = {
+    400: "Bad Request: the body could not be parsed (not UTF-8 text, say)",
     401: "Unauthorized: no token, or not a live one",
     403: "Forbidden: the token lacks the scope",
     404: "Not Found (another owner's too)",
@@ -216,10 +233,19 @@ def responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     for status in statuses:
         out[status] = {
             "model": ProblemDetail,
-            "description": _DESCRIPTIONS[status],
+            "description": DESCRIPTIONS[status],
             "content": {MEDIA_TYPE: {}},
         }
     return out
 
 
-__all__ = ["MEDIA_TYPE", "FieldError", "Problem", "ProblemDetail", "install", "problem_response", "responses"]
+__all__ = [
+    "DESCRIPTIONS",
+    "MEDIA_TYPE",
+    "FieldError",
+    "Problem",
+    "ProblemDetail",
+    "install",
+    "problem_response",
+    "responses",
+]

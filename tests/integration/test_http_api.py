@@ -340,3 +340,42 @@ def test_on_sqlite(on_sqlite: Any, tag: str) -> None:
             problem(submit(http, alice, payload={"n": "x"}), 422, "invalid-payload")
     finally:
         client.close()
+
+
+def test_text_with_a_nul_is_a_422_not_an_outage(http: TestClient, token: Token, tag: str) -> None:
+    # Found by the contract run: Postgres refuses NUL in text, and that was a 503 "try again".
+    secret = token(f"alice-{tag}")
+    job_id = submit(http, secret, delay=60).json()["id"]
+    for resp in (
+        submit(http, secret, label="a\x00b"),
+        submit(http, secret, idempotency_key="a\x00b"),
+        http.post(
+            "/jobs/dry-run",
+            json={"stage": "conveyor.demo.square", "payload": {"n": 1}, "idempotency_key": "\x00"},
+            headers=auth(secret),
+        ),
+        http.post(f"/jobs/{job_id}/cancel", json={"reason": "a\x00b"}, headers=auth(secret)),
+        http.get("/jobs/a%00b", headers=auth(secret)),
+        http.get("/events", params={"job": "a\x00b"}, headers=auth(secret)),
+    ):
+        assert "NUL" in problem(resp, 422, "invalid-value")["detail"] and "Retry-After" not in resp.headers
+
+
+def test_bodies_keep_the_json_types_the_document_gives(http: TestClient, token: Token, tag: str) -> None:
+    # Found by the contract run: lax validation took `"dedup": 0`, `"priority": false`, and
+    # numbers (or numeric text) as run_at seconds since 1970.
+    secret = token(f"alice-{tag}")
+    for field, value in (
+        ("dedup", 0),
+        ("priority", False),
+        ("max_attempts", "3"),
+        ("delay", "1"),
+        ("run_at", 5),
+        ("run_at", "5"),
+        ("run_at", "1e9"),
+    ):
+        body = problem(submit(http, secret, **{field: value}), 422, "invalid-request")
+        assert body["errors"][0]["field"] == f"body.{field}", (field, value)
+    naive = submit(http, secret, run_at="2100-01-01T00:00:00", delay=1)
+    assert naive.status_code == 201 and naive.json()["run_at"].startswith("2100-01-01T00:00:00")
+    assert submit(http, secret, delay=1, priority=2).status_code == 201

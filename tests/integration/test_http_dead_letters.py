@@ -109,6 +109,23 @@ def test_filters_and_show(http: TestClient, platform: Any, token: Token, tag: st
     problem(http.get("/dead-letters", params={"cursor": "bogus"}, headers=admin), 422, "invalid-cursor")
 
 
+def test_what_the_contract_run_found(http: TestClient, token: Token, tag: str) -> None:
+    admin = auth(token(f"ops-{tag}"))
+    # Times are ISO 8601 text, never seconds since 1970; NUL in text is a 422, not a 503.
+    for params in ({"until": "0.5"}, {"since": "1700000000"}):
+        problem(http.get("/dead-letters", params=params, headers=admin), 422, "invalid-request")
+    problem(http.post("/dead-letters/retry", json={"since": 0}, headers=admin), 422, "invalid-request")
+    problem(http.post("/dead-letters/purge", json={"all": 1}, headers=admin), 422, "invalid-request")
+    problem(http.get("/dead-letters", params={"stage": "a\x00b"}, headers=admin), 422, "invalid-value")
+    problem(http.post("/dead-letters/purge", json={"queue": "a\x00b"}, headers=admin), 422, "invalid-value")
+    # A method /retry and /purge lack is 405 naming POST (it was GET /{entry_id}'s 422 or Allow: GET).
+    for method in ("GET", "OPTIONS", "DELETE"):
+        for path in ("/dead-letters/retry", "/dead-letters/purge"):
+            resp = http.request(method, path, headers=admin)
+            assert problem(resp, 405) and resp.headers["allow"] == "POST", (method, path)
+    problem(http.get("/dead-letters/abc", headers=admin), 404)
+
+
 def test_cursor_pages_have_no_duplicates_nor_gaps_while_entries_arrive(
     http: TestClient, platform: Any, token: Token, tag: str
 ) -> None:
