@@ -29,7 +29,7 @@ import anyio
 import anyio.from_thread
 import anyio.to_thread
 from fastapi import APIRouter, Body, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from sqlalchemy import RowMapping
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -38,6 +38,7 @@ from conveyor.errors import RetryRefused
 from conveyor.platform import Platform
 from conveyor.web.auth import Caller, Reader, Submitter
 from conveyor.web.limits import streamed
+from conveyor.web.models import STRICT
 from conveyor.web.problems import Problem, responses, unavailable
 from pipelines import files as pipeline
 from tasks.files import flow
@@ -68,7 +69,7 @@ FileStatus = Literal[
 class NewBatch(BaseModel):
     """A batch to open."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT  # as the core API's bodies: `true` is not a count
 
     expected: int | None = Field(
         None,
