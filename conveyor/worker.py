@@ -210,14 +210,12 @@ def install(platform: Host) -> None:
     install_tracing(platform)
 
 
-def install_tracing(platform: Configured) -> None:
+def install_tracing(platform: Configured) -> Callable[[], None]:
     """Tracing in a worker (:mod:`conveyor.tracing`): the job a task ran is forgotten when
     it ends; with ``CONVEYOR_TRACING=on`` each pool child (``worker_process_init``: an
     exporter's thread never survives a fork) or a solo/threads worker itself installs
-    the SDK and the Celery instrumentation."""
+    the SDK and the Celery instrumentation. Returns a function that disconnects them."""
     signals.task_postrun.connect(tracing.clear_job_context, weak=False)
-    if platform.settings.tracing != "on":
-        return
 
     def in_child(**_: Any) -> None:
         tracing.configure(platform.settings)
@@ -228,5 +226,12 @@ def install_tracing(platform: Configured) -> None:
         if "prefork" not in str(name):  # no pool children: this process runs the tasks
             tracing.configure(platform.settings)
 
-    signals.worker_process_init.connect(in_child, weak=False)
-    signals.worker_init.connect(in_worker, weak=False)
+    if platform.settings.tracing == "on":
+        signals.worker_process_init.connect(in_child, weak=False)
+        signals.worker_init.connect(in_worker, weak=False)
+
+    def disconnect() -> None:
+        signals.worker_process_init.disconnect(in_child)
+        signals.worker_init.disconnect(in_worker)
+
+    return disconnect
