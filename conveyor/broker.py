@@ -16,6 +16,7 @@ from kombu.entity import Exchange, Queue
 from kombu.exceptions import ChannelError
 from redis import Redis
 
+from conveyor import tracing
 from conveyor.fastpath import FastPath
 
 JOB_HEADER = "conveyor_job_id"
@@ -158,11 +159,16 @@ class Broker:
         options: Mapping[str, Any],
         task_id: str | None = None,
         fast: bool = False,
+        trace_context: Mapping[str, Any] | None = None,
     ) -> str:
         """Send one job message; returns the Celery task id used (fresh unless given).
 
         With ``fast`` (submits), over this thread's short-timeout connection, without
         kombu's publish retries: a submit never waits on Redis; the relay publishes later.
+
+        ``trace_context`` (the job row's) goes into the message headers and is current
+        while the message is sent, so a publish span of Celery's instrumentation (it hooks
+        ``before_task_publish``, which ``send_task_message`` fires) is in the job's trace.
 
         The same message ``send_task`` builds, without its result-backend subscription:
         job outcomes are awaited through :meth:`JobHandle.wait`, and ``AsyncResult.get()``
@@ -171,16 +177,15 @@ class Broker:
         task_id = task_id or str(uuid.uuid4())
         app = self.app
         amqp = app.amqp
+        headers = {JOB_HEADER: job_id, **tracing.headers(trace_context)}
         if self.direct:
             routed = {
                 "queue": Queue(queue, Exchange(""), routing_key=queue),  # type: ignore[no-untyped-call]
                 "declare": [],
-                "headers": {JOB_HEADER: job_id},
+                "headers": headers,
             }
         else:
-            routed = amqp.router.route(
-                {"queue": queue, "headers": {JOB_HEADER: job_id}}, stage, (), dict(payload)
-            )
+            routed = amqp.router.route({"queue": queue, "headers": headers}, stage, (), dict(payload))
         message = amqp.create_task_message(
             task_id,
             stage,
@@ -207,16 +212,17 @@ class Broker:
         )
         if options.get("priority") is not None:
             routed["priority"] = options["priority"]
-        if fast:
-            try:
-                producer = self._fast_connection().Producer()
-                amqp.send_task_message(producer, stage, message, retry=False, **routed)
-            except Exception:
-                self.drop_fast_connection()
-                raise
-            return task_id
-        with app.producer_or_acquire(None) as producer:
-            amqp.send_task_message(producer, stage, message, **routed)
+        with tracing.attached(trace_context):
+            if fast:
+                try:
+                    producer = self._fast_connection().Producer()
+                    amqp.send_task_message(producer, stage, message, retry=False, **routed)
+                except Exception:
+                    self.drop_fast_connection()
+                    raise
+                return task_id
+            with app.producer_or_acquire(None) as producer:
+                amqp.send_task_message(producer, stage, message, **routed)
         return task_id
 
     def notify(self, job_id: str, status: str) -> None:

@@ -15,6 +15,7 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
 
+from conveyor import tracing
 from conveyor.connections import Connections
 from conveyor.context import JobContext
 from conveyor.continuations import Continuations
@@ -61,7 +62,15 @@ class Completion:
         skipped: str | None = None,
     ) -> None:
         """Commit the stage's writes, its ``succeeded`` (or ``skipped``) CAS, its events and
-        its continuation, in one transaction."""
+        its continuation, in one transaction (a ``conveyor.complete`` span: the
+        continuations' submits are its children)."""
+        attributes = {"conveyor.job_id": job["id"], "conveyor.outcome": "skipped" if skipped else "succeeded"}
+        with tracing.span("conveyor.complete", attributes=attributes):
+            self._complete(task, spec, job, ctx, result, skipped)
+
+    def _complete(
+        self, task: Task, spec: StageSpec, job: Row, ctx: JobContext, result: Any, skipped: str | None
+    ) -> None:
         store = self.store
         conn = ctx.take_connection()
         simple = skipped is None and not ctx.events and not task.request.chain and not task.request.callbacks
@@ -135,6 +144,12 @@ class Completion:
         down the flow (returned here as a 1-tuple), so a chord never waits on a dead member.
         A failure of an attempt that no longer owns the job (fenced off) writes nothing.
         """
+        with tracing.span("conveyor.fail", attributes={"conveyor.job_id": job["id"]}):
+            return self._fail(task, spec, job, attempt, exc)
+
+    def _fail(
+        self, task: Task, spec: StageSpec, job: Row, attempt: int, exc: BaseException
+    ) -> tuple[Any] | None:
         store = self.store
         carried: tuple[Any] | None = None
         continuation: list[NewJob] = []

@@ -17,6 +17,7 @@ from typing import Any
 from celery import Signature, signature
 from sqlalchemy import Connection
 
+from conveyor import tracing
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.dedup import Deduplicator, DedupPlan
@@ -153,37 +154,47 @@ class Continuations:
             return out
         epoch = self.connections.broker.epoch()
         for new in created:
-            plan: DedupPlan | None = new.plan
-            if new.invalid is not None:
-                if self._insert_dead(conn, new):
-                    out.append(new)
-                continue
-            if plan is None:
-                inserted = self.recorder.insert_job(conn, new, epoch=epoch)
-            else:
-                now = self.deduper.clock()
-                new.dedup_key = plan.dedup_id
-                if plan.dedup.mode == "debounce":
-                    new.delay = max(new.delay, float(plan.dedup.window or 0))
-                job_id, inserted = self.recorder.record(conn, new, plan, now, epoch)
-                inserted = inserted and job_id == new.id
-            if inserted:
-                out.append(new)
-                continue
-            spec = self.stages.get(new.stage)
-            budget = spec.max_attempts if spec else self.connections.settings.default_max_attempts
-            if self.store.rerun(conn, new, budget=budget, upstream=upstream):
-                holder = None
-                if plan is not None:
-                    now = self.deduper.clock()
-                    holder = self.deduper.retake(conn, plan.dedup_id, new.id, now=now, mode=plan.dedup.mode)
-                if holder is not None:
-                    self.followers.convert(conn, new.id, holder)
-                    new.status, new.follows = s.WAITING_DEDUP, holder
-                else:
-                    new.rerun = True
-                out.append(new)
+            # The next link's submit, a child of the completion: the whole flow is one trace.
+            attributes = {"conveyor.stage": new.stage, "conveyor.job_id": new.id}
+            with tracing.span("conveyor.submit", attributes={**attributes, "conveyor.upstream": upstream}):
+                new.trace_context = tracing.carrier()
+                self._insert_one(conn, new, epoch, upstream, out)
         return out
+
+    def _insert_one(
+        self, conn: Connection, new: NewJob, epoch: str, upstream: str, out: list[NewJob]
+    ) -> None:
+        """Insert (or rerun) one continuation; appends it to ``out`` if it is to be published."""
+        plan: DedupPlan | None = new.plan
+        if new.invalid is not None:
+            if self._insert_dead(conn, new):
+                out.append(new)
+            return
+        if plan is None:
+            inserted = self.recorder.insert_job(conn, new, epoch=epoch)
+        else:
+            now = self.deduper.clock()
+            new.dedup_key = plan.dedup_id
+            if plan.dedup.mode == "debounce":
+                new.delay = max(new.delay, float(plan.dedup.window or 0))
+            job_id, inserted = self.recorder.record(conn, new, plan, now, epoch)
+            inserted = inserted and job_id == new.id
+        if inserted:
+            out.append(new)
+            return
+        spec = self.stages.get(new.stage)
+        budget = spec.max_attempts if spec else self.connections.settings.default_max_attempts
+        if self.store.rerun(conn, new, budget=budget, upstream=upstream):
+            holder = None
+            if plan is not None:
+                now = self.deduper.clock()
+                holder = self.deduper.retake(conn, plan.dedup_id, new.id, now=now, mode=plan.dedup.mode)
+            if holder is not None:
+                self.followers.convert(conn, new.id, holder)
+                new.status, new.follows = s.WAITING_DEDUP, holder
+            else:
+                new.rerun = True
+            out.append(new)
 
     def _insert_dead(self, conn: Connection, new: NewJob) -> bool:
         """Store a job that can never run (its payload is invalid) straight into the DLQ;

@@ -4,7 +4,8 @@
 ``structlog.stdlib.ProcessorFormatter`` renders every record, Conveyor's, Celery's and a
 stage's, as JSON lines or as console text (``CONVEYOR_LOG_FORMAT``). Before anything is
 rendered, :func:`redact` masks the values of secret-looking keys and scrubs secrets and
-e-mail addresses out of every string (the message, its ``%``-args, tracebacks).
+e-mail addresses out of every string (the message, its ``%``-args, tracebacks). A line
+logged while an OpenTelemetry span is current carries its ``trace_id`` and ``span_id``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from logging.handlers import WatchedFileHandler
 from typing import TYPE_CHECKING, Any, TextIO, TypeAlias
 
 import structlog
+from opentelemetry import trace
 from structlog.stdlib import BoundLogger, ProcessorFormatter
 from structlog.typing import EventDict, Processor, WrappedLogger
 
@@ -122,10 +124,21 @@ def redact(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> Ev
     }
 
 
+def add_trace_ids(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
+    """structlog processor: ``trace_id`` and ``span_id`` (hex, as trace backends show them)
+    of the OpenTelemetry span current where the line was logged, if any."""
+    current = trace.get_current_span().get_span_context()
+    if current.is_valid:
+        event_dict.setdefault("trace_id", format(current.trace_id, "032x"))
+        event_dict.setdefault("span_id", format(current.span_id, "016x"))
+    return event_dict
+
+
 def _shared_processors() -> list[Processor]:
     """Run on structlog events at the call and on stdlib records in the formatter."""
     return [
         structlog.contextvars.merge_contextvars,
+        add_trace_ids,
         structlog.stdlib.add_logger_name,
         structlog.stdlib.add_log_level,
         structlog.stdlib.PositionalArgumentsFormatter(),
@@ -264,6 +277,7 @@ def job_logger(*, job_id: str, stage: str, attempt: int, queue: str | None = Non
         processors=[
             structlog.stdlib.filter_by_level,
             structlog.contextvars.merge_contextvars,
+            add_trace_ids,
             structlog.stdlib.PositionalArgumentsFormatter(),
             redact,
             _to_stdlib,

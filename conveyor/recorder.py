@@ -150,6 +150,7 @@ class Recorder:
                 options=new.options,
                 task_id=new.origin_task_id,
                 fast=fast,
+                trace_context=new.trace_context,
             )
         except Exception as exc:
             if fast:
@@ -198,6 +199,7 @@ class Recorder:
             payload=row["payload"],
             options=row["options"] or {},
             task_id=task_id,
+            trace_context=row.get("trace_context"),
         )
         return task_id
 

@@ -275,6 +275,7 @@ class Relay:
                 payload=row["payload"],
                 options=row["options"] or {},
                 task_id=task_id,
+                trace_context=row.get("trace_context"),
             )
         except Exception:
             # Marked as published under this epoch; the republish_after rule retries it.

@@ -16,6 +16,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Ignore, Reject
 
+from conveyor import tracing
 from conveyor.admission import Admission, Slot
 from conveyor.broker import JOB_HEADER
 from conveyor.completion import Completion
@@ -98,6 +99,8 @@ class Runner:
         owner = lease_owner()
         slot = None
         refused: PayloadInvalid | None = None
+        started = tracing.now_ns()
+        tracing.clear_job_context()
         try:
             job_id = _header(req, JOB_HEADER)
             if job_id is not None:
@@ -138,6 +141,8 @@ class Runner:
             self.flow.finished(job_id, s.DEAD)
             raise refused
         job = claim.job
+        if job is not None:
+            tracing.record_claim(spec.name, job["id"], job.get("trace_context"), started, claim.outcome.value)
         if claim.outcome is ClaimOutcome.RUN:
             assert job is not None
             self.metrics.inc("claimed", spec.name)
@@ -196,6 +201,21 @@ class Runner:
                 log.warning("could not release concurrency slot %s", slot.key, exc_info=True)
 
     def _run(self, task: Task, spec: StageSpec, job: Row, slot: Slot | None = None) -> Any:
+        """The body and its completion inside a ``conveyor.run <stage>`` span, a child of the
+        job row's context (not the message's: a republished copy joins the same trace)."""
+        parent = tracing.run_parent(job.get("trace_context"))
+        attributes = {"conveyor.job_id": job["id"], "conveyor.attempt": int(job["attempts"])}
+        with tracing.span(f"conveyor.run {spec.name}", parent=parent, attributes=attributes) as span:
+            tracing.set_job_context()  # a chord body fired after this span still joins it
+            try:
+                return self._run_body(task, spec, job, slot)
+            except (Ignore, Reject):
+                raise
+            except BaseException as exc:
+                tracing.failed(span, exc)
+                raise
+
+    def _run_body(self, task: Task, spec: StageSpec, job: Row, slot: Slot | None) -> Any:
         self.heartbeat.install_interrupt_handler()
         attempt = int(job["attempts"])
         ctx = JobContext(

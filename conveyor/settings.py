@@ -131,6 +131,18 @@ class ConveyorSettings(BaseSettings):
         "INFO", description="root log level; when set, it wins over a worker's -l"
     )
 
+    tracing: Literal["off", "on"] = Field(
+        "off",
+        description="on: worker processes install an OpenTelemetry SDK provider exporting over "
+        "OTLP (unless the process has one) and instrument Celery; the telemetry extra",
+    )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="where spans go (OTLP over HTTP, e.g. http://collector:4318/v1/traces); "
+        "default: the SDK's OTEL_EXPORTER_OTLP_* variables",
+    )
+    tracing_service_name: str = Field("conveyor", description="service.name of the spans a worker exports")
+
     flower_port: int = 5555
     http_host: str = Field("127.0.0.1", description="where `conveyor up` serves the HTTP API")
     http_port: int = Field(8000, ge=0, le=65535, description="its port (0: `conveyor up` serves no API)")

@@ -14,6 +14,7 @@ from typing import Any
 from sqlalchemy import Connection, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
+from conveyor import tracing
 from conveyor.claims import Claim, ClaimOutcome, Claims, counted_attempts
 from conveyor.db import schema as s
 from conveyor.db.dialect import (
@@ -71,6 +72,8 @@ class NewJob:
     follow: bool = False  # deduplicated, it becomes a follower (something waits on it)
     follows: str | None = None  # set: stored as a follower of this holder
     invalid: tuple[str, str] | None = None  # (error type, message): stored dead-lettered
+    # The W3C carrier of the span that created it; unset: the span current at insert.
+    trace_context: dict[str, str] | None = None
 
     @property
     def due_now(self) -> bool:
@@ -93,6 +96,8 @@ class JobStore(Claims):
 
     def insert(self, conn: Connection, job: NewJob) -> tuple[str, bool]:
         """Insert ``job`` unless its id or idempotency key exists; return (id, created)."""
+        if job.trace_context is None:
+            job.trace_context = tracing.carrier()
         values = {
             "id": job.id,
             "stage": job.stage,
@@ -112,6 +117,7 @@ class JobStore(Claims):
             "parent_id": job.parent_id,
             "options": job.options,
             "origin_task_id": job.origin_task_id,
+            "trace_context": job.trace_context,
             "created_at": db_now(),
             "updated_at": db_now(),
         }
@@ -134,6 +140,8 @@ class JobStore(Claims):
 
     def insert_submitted(self, conn: Connection, job: NewJob) -> bool:
         """Insert ``job`` with its ``job.submitted`` event; False if it already existed."""
+        if job.trace_context is None:
+            job.trace_context = tracing.carrier()
         if is_sqlite(conn) or job.status != s.QUEUED or job.run_at or job.expires_at:
             created = self.insert(conn, job)[1]
             if created:
@@ -159,6 +167,7 @@ class JobStore(Claims):
             "dedup_key": job.dedup_key,
             "dedup_seq": job.dedup_seq,
             "owner": job.owner,
+            "trace_context": job.trace_context,
             "event": {"stage": job.stage},
         }
         return conn.execute(pg_statements(conn).submit, params).first() is not None
@@ -203,6 +212,8 @@ class JobStore(Claims):
                 error_type=None,
                 last_error=None,
                 updated_at=db_now(),
+                # The rerun belongs to the trace of the completion that caused it.
+                **({"trace_context": job.trace_context} if job.trace_context else {}),
             )
         )
         if res.rowcount == 1:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from celery import Task
 from kombu.entity import Queue
+from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
 from sqlalchemy import Connection, update
 from sqlalchemy import event as sa_event
@@ -26,6 +27,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
+from conveyor import tracing
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import is_sqlite
@@ -200,7 +202,26 @@ class Submitter:
         session: Session | scoped_session[Any] | Enlistment | None,
         plan: DedupPlan | None = None,
     ) -> JobHandle:
-        """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed."""
+        """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed.
+
+        Inside a ``conveyor.submit`` span (a child of the caller's current span), whose
+        context the row keeps: the job's trace (:mod:`conveyor.tracing`).
+        """
+        attributes = {"conveyor.stage": new.stage, "conveyor.job_id": new.id, "conveyor.queue": new.queue}
+        with tracing.span("conveyor.submit", attributes=attributes, kind=SpanKind.PRODUCER) as span:
+            new.trace_context = tracing.carrier()
+            handle = self._enqueue(new, session=session, plan=plan)
+            if handle.id != new.id:
+                span.set_attribute("conveyor.deduplicated_into", handle.id)
+            return handle
+
+    def _enqueue(
+        self,
+        new: NewJob,
+        *,
+        session: Session | scoped_session[Any] | Enlistment | None,
+        plan: DedupPlan | None,
+    ) -> JobHandle:
         if session is not None and not isinstance(session, Enlistment):
             session = resolved(session)
         connections, recorder, fast = self.connections, self.recorder, self.connections.fast

@@ -14,7 +14,7 @@ from celery.worker import state as worker_state
 from celery.worker.control import control_command
 from redis import Redis
 
-from conveyor import registry
+from conveyor import registry, tracing
 from conveyor.celeryconfig import celery_default_queue
 from conveyor.connections import Connections
 from conveyor.errors import ConfigurationError
@@ -207,3 +207,31 @@ def install(platform: Host) -> None:
         platform.heartbeat.install_interrupt_handler()
 
     signals.worker_process_init.connect(_reset_after_fork, weak=False)
+    install_tracing(platform)
+
+
+def install_tracing(platform: Configured) -> Callable[[], None]:
+    """Tracing in a worker (:mod:`conveyor.tracing`): the job a task ran is forgotten when
+    it ends; with ``CONVEYOR_TRACING=on`` each pool child (``worker_process_init``: an
+    exporter's thread never survives a fork) or a solo/threads worker itself installs
+    the SDK and the Celery instrumentation. Returns a function that disconnects them."""
+    signals.task_postrun.connect(tracing.clear_job_context, weak=False)
+
+    def in_child(**_: Any) -> None:
+        tracing.configure(platform.settings)
+
+    def in_worker(sender: Any = None, **_: Any) -> None:
+        pool = getattr(sender, "pool_cls", None)
+        name = pool if isinstance(pool, str) else getattr(pool, "__module__", "")
+        if "prefork" not in str(name):  # no pool children: this process runs the tasks
+            tracing.configure(platform.settings)
+
+    if platform.settings.tracing == "on":
+        signals.worker_process_init.connect(in_child, weak=False)
+        signals.worker_init.connect(in_worker, weak=False)
+
+    def disconnect() -> None:
+        signals.worker_process_init.disconnect(in_child)
+        signals.worker_init.disconnect(in_worker)
+
+    return disconnect

@@ -364,7 +364,7 @@ def _pg_statements(schema: str) -> PgStatements:
       INSERT INTO {s}jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
                         max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
                         created_at, updated_at, celery_task_id, published_at, broker_epoch,
-                        dedup_key, dedup_seq, owner)
+                        dedup_key, dedup_seq, owner, trace_context)
       VALUES (:id, :stage, :queue, 'queued', :priority, :payload, :label, :idempotency_key, 0,
               :max_attempts, clock_timestamp() + make_interval(secs => :delay),
               CASE WHEN CAST(:expires_in AS float8) IS NULL THEN NULL
@@ -372,7 +372,7 @@ def _pg_statements(schema: str) -> PgStatements:
               :flow_id, :parent_id, :options, :origin_task_id, clock_timestamp(), clock_timestamp(),
               :celery_task_id,
               CASE WHEN CAST(:broker_epoch AS text) IS NULL THEN NULL ELSE clock_timestamp() END,
-              :broker_epoch, :dedup_key, :dedup_seq, :owner)
+              :broker_epoch, :dedup_key, :dedup_seq, :owner, :trace_context)
       ON CONFLICT DO NOTHING
       RETURNING id
     )
@@ -384,6 +384,7 @@ def _pg_statements(schema: str) -> PgStatements:
         bindparam("payload", type_=_JSON),
         bindparam("options", type_=_JSON),
         bindparam("event", type_=_JSON),
+        bindparam("trace_context", type_=JSON(none_as_null=True)),
         bindparam("delay", type_=Float()),
         bindparam("expires_in", type_=Float()),
     )
@@ -406,7 +407,7 @@ def _pg_statements(schema: str) -> PgStatements:
         # The function's body finds its tables through the search_path of Conveyor's own
         # connections, the only ones that claim.
         claim=text(f"SELECT * FROM {s}conveyor_claim(:id, :owner, :task_id)").columns(
-            payload=_JSON, options=_JSON, result=_JSON, progress=_JSON
+            payload=_JSON, options=_JSON, result=_JSON, progress=_JSON, trace_context=_JSON
         ),
         succeed=succeed,
         # Numbers up to ``limit`` committed, unnumbered events; the function (migration

@@ -103,6 +103,9 @@ jobs = Table(
     # Who the job belongs to (an HTTP token's owner, or ``owner=`` at submit); NULL for the
     # deployment's own jobs. A token sees only its owner's jobs unless it is ``admin``.
     Column("owner", String(64), nullable=True),
+    # The W3C trace context (``traceparent``/``tracestate``) of the span that created the
+    # job: every publish carries it and a worker's spans join it (conveyor.tracing).
+    Column("trace_context", JSON(none_as_null=True), nullable=True),
     Index(
         "ix_jobs_due",
         "run_at",

@@ -75,6 +75,13 @@ def noop(ctx: JobContext, p: Number) -> dict[str, int]:
     return {"n": p.n}
 
 
+@stage("conveyor.demo.logged", payload=Number, queue="demo")
+def logged(ctx: JobContext, p: Number) -> dict[str, int]:
+    """Log one line through ``ctx.log`` and pass ``n`` on (the tracing tests' stage)."""
+    ctx.log.warning("logged %s", p.n)
+    return {"n": p.n}
+
+
 @stage("conveyor.demo.square", payload=Number, queue="demo", label=lambda p: f"square {p.n}")
 def square_stage(ctx: JobContext, p: Number) -> dict[str, int]:
     """Square ``n`` (chains pass the result on as ``n``)."""

@@ -112,7 +112,7 @@ def test_the_wheel_holds_only_conveyor(wheel: Path) -> None:
     pins = [r for r in required if "==" in r.split(";")[0]]
     assert not pins, f"exact pins make Conveyor uninstallable beside an app's own: {pins}"
     extras = set(metadata.get_all("Provides-Extra") or [])
-    assert {"files", "s3", "flower", "embedded", "flask", "web", "all"} <= extras
+    assert {"files", "s3", "flower", "embedded", "flask", "web", "telemetry", "all"} <= extras
 
 
 def test_installed_in_a_fresh_venv_it_adds_one_top_level_name(wheel: Path, tmp_path: Path) -> None:

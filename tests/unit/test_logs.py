@@ -243,3 +243,42 @@ def test_celery_setup_logging_signal_uses_conveyor_logging(restore_logging: None
     logging.getLogger("multiprocessing").warning("below billiard's level")
     events = [line["event"] for line in json_lines(buf)]
     assert events == ["celery@node ready.", "Process 'W-1' pid:7 exited with 'signal 9'"]
+
+
+TRACE_HEX, SPAN_HEX = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+
+
+def _a_span() -> Any:
+    """A current span with known ids, through the OpenTelemetry API alone (no SDK)."""
+    from opentelemetry import trace
+
+    context = trace.SpanContext(
+        trace_id=int(TRACE_HEX, 16),
+        span_id=int(SPAN_HEX, 16),
+        is_remote=False,
+        trace_flags=trace.TraceFlags(1),
+    )
+    return trace.use_span(trace.NonRecordingSpan(context))
+
+
+def test_lines_logged_inside_a_span_carry_its_trace_and_span_ids(restore_logging: None) -> None:
+    buf = capture("json")
+    with _a_span():
+        logging.getLogger("conveyor.x").warning("stdlib inside")
+        structlog.get_logger("conveyor.y").warning("structlog inside")
+    logging.getLogger("conveyor.x").warning("outside")
+    lines = json_lines(buf)
+    assert [line.get("trace_id") for line in lines] == [TRACE_HEX, TRACE_HEX, None]
+    assert [line.get("span_id") for line in lines] == [SPAN_HEX, SPAN_HEX, None]
+
+
+def test_ctx_log_through_stdlib_carries_the_trace_ids_too(
+    restore_logging: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    structlog.reset_defaults()
+    ctx = JobContext(NO_PLATFORM, job_id="j-9", attempt=1, stage="s", flow_id=None)
+    with caplog.at_level(logging.INFO, logger="conveyor.job"), _a_span():
+        ctx.log.info("traced")
+    ctx.close()
+    [record] = [r for r in caplog.records if r.name == "conveyor.job"]
+    assert f"trace_id={TRACE_HEX}" in record.getMessage() and f"span_id={SPAN_HEX}" in record.getMessage()

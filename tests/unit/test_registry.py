@@ -202,7 +202,7 @@ def test_an_unknown_stage_lists_close_names(registry: dict[str, RegisteredStage]
     assert close_names("demo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.dmeo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.files.extrct", registry) == ["conveyor.files.extract"]
-    with pytest.raises(UnknownStage, match=r"16 are registered; list them with `conveyor stages`"):
+    with pytest.raises(UnknownStage, match=r"17 are registered; list them with `conveyor stages`"):
         lookup(registry, "conveyor.billing.charge")
     few = {n: registry[n] for n in ("conveyor.demo.noop", "conveyor.demo.pad")}
     with pytest.raises(UnknownStage, match=r"known stages: conveyor.demo.noop, conveyor.demo.pad$"):
