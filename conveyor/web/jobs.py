@@ -12,6 +12,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Query, Request, Response
 
+from conveyor import tracing
+from conveyor.client import Client
 from conveyor.db.schema import TERMINAL, Row
 from conveyor.handle import JobHandle
 from conveyor.web.auth import Caller, Reader, Submitter, client_of
@@ -64,20 +66,10 @@ def _visible_row(handle: JobHandle, caller: Caller) -> Row:
 def submit(request: Request, response: Response, caller: Submitter, body: SubmitRequest) -> SubmittedJob:
     """Submit a job of ``body.stage`` for the caller's owner."""
     client = client_of(request)
-    handle = client.submit(
-        body.stage,
-        body.payload,
-        idempotency_key=body.idempotency_key,
-        delay=body.delay,
-        run_at=body.run_at,
-        expires_in=body.expires_in,
-        priority=body.priority,
-        label=body.label,
-        max_attempts=body.max_attempts,
-        dedup=None if body.dedup else False,
-        reuse=body.reuse,
-        owner=caller.owner,
-    )
+    # A caller that sends a W3C trace context gets the job in its trace.
+    incoming = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
+    with tracing.attached(incoming):
+        handle = _submit(client, body, caller)
     row = handle.row()
     if handle.deduplicated and not caller.sees(row["owner"]):
         # The stage's dedup policy found an equal job of someone else: not this caller's to see.
@@ -91,6 +83,23 @@ def submit(request: Request, response: Response, caller: Submitter, body: Submit
     if handle.deduplicated:
         response.status_code = 200
     return SubmittedJob(**JobView.from_row(row).model_dump(), deduplicated=handle.deduplicated)
+
+
+def _submit(client: Client, body: SubmitRequest, caller: Caller) -> JobHandle:
+    return client.submit(
+        body.stage,
+        body.payload,
+        idempotency_key=body.idempotency_key,
+        delay=body.delay,
+        run_at=body.run_at,
+        expires_in=body.expires_in,
+        priority=body.priority,
+        label=body.label,
+        max_attempts=body.max_attempts,
+        dedup=None if body.dedup else False,
+        reuse=body.reuse,
+        owner=caller.owner,
+    )
 
 
 @router.get(

@@ -21,6 +21,7 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI
 
+from conveyor import tracing
 from conveyor.deployment import import_object, load_app_module
 from conveyor.errors import ConfigurationError
 from conveyor.logs import configure_logging
@@ -37,6 +38,7 @@ def app_from_environment() -> FastAPI:
     routers."""
     settings = ConveyorSettings()
     configure_logging(settings)
+    tracing.configure(settings)  # CONVEYOR_TRACING=on: submits join their callers' traces
     app = create_app(settings, routers=deployment_routers(settings))
     _end_streams_on_exit(app)
     return app

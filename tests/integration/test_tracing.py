@@ -269,3 +269,33 @@ def test_on_sqlite_the_row_keeps_the_submits_context(on_sqlite: Any, spans: Any)
     submit = _named(spans, "conveyor.submit", handle.id)
     assert _stored_trace(platform, handle.id) == (_trace_id(submit), _span_id(submit))
     platform.cancel(handle.id)
+
+
+def test_a_submit_over_http_joins_the_callers_trace(platform: Any, spans: Any, tag: str) -> None:
+    from fastapi.testclient import TestClient
+
+    import conveyor
+    from conveyor import registry, tokens
+    from conveyor.web import create_app
+
+    registry.write(platform.engine, platform.stages.values())
+    secret = tokens.create(platform.engine, owner=f"t{tag}", scopes=("submit",)).secret
+    caller_trace, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    c = conveyor.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
+    try:
+        with TestClient(create_app(c)) as http:
+            made = http.post(
+                "/jobs",
+                json={"stage": "conveyor.demo.square", "payload": {"n": 2}, "delay": 60},
+                headers={
+                    "Authorization": f"Bearer {secret}",
+                    "traceparent": f"00-{caller_trace}-{caller_span}-01",
+                },
+            )
+    finally:
+        c.close()
+    assert made.status_code == 201, made.text
+    trace_id, _ = _stored_trace(platform, made.json()["id"])
+    assert trace_id == int(caller_trace, 16)
+    submit = _named(spans, "conveyor.submit", made.json()["id"])
+    assert _parent_id(submit) == int(caller_span, 16)
