@@ -175,7 +175,6 @@ def up(
 
         base = ConveyorSettings()
         home = base.resolved_home()
-        api = _api_address(base, http_port)
         services = attach(base) if base.redis_url and base.database_url else None
         services = services or start_embedded(base)
         info = RunInfo(
@@ -193,6 +192,8 @@ def up(
             return 2
         children: list[_Child] = []
         try:
+            # After the claim: a second `up` of this home says it is running, not that its port is.
+            api = _api_address(base, http_port)
             platform = load_platform(require_services=False)
             platform.bind(redis_url=services.redis_url, database_url=services.database_url)
             migrate(platform)

@@ -45,7 +45,7 @@ def _worker_pid(up: subprocess.Popen[str], other_than: int = 0) -> int:
 def test_up_restarts_a_killed_worker(platform: Any, tmp_path: Path, tag: str) -> None:
     # The session's Redis DB and Postgres database (CONVEYOR_REDIS_URL/DATABASE_URL are set
     # by tests/conftest.py), a home of its own for run.json and the logs.
-    env = {**os.environ, "CONVEYOR_HOME": str(tmp_path)}
+    env = {**os.environ, "CONVEYOR_HOME": str(tmp_path), "CONVEYOR_HTTP_PORT": "0"}  # no API
     up = subprocess.Popen(
         [CONVEYOR, "up", "--concurrency", "1"],
         env=env,

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conveyor.runfile import pid_alive
+from tests.integration.http_support import free_port
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.sqlite]
 
@@ -22,6 +23,7 @@ CONVEYOR = str(Path(sys.executable).parent / "conveyor")
 def _env(home: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
     env["CONVEYOR_HOME"] = str(home)
+    env["CONVEYOR_HTTP_PORT"] = str(free_port())  # `up` serves its API there, not on 8000
     return env
 
 
