@@ -54,7 +54,7 @@ from conveyor.db.schema import (
 from conveyor.web import dead_letters, events
 from conveyor.web.auth import Caller, client_of
 from conveyor.web.events import FeedEvent
-from conveyor.web.feed import FeedFilter, body_field, head_cursor
+from conveyor.web.feed import FeedFilter, body_field, head_cursor, owned_by
 from conveyor.web.problems import Problem
 
 router = APIRouter(prefix="/console", include_in_schema=False)
@@ -318,7 +318,7 @@ def batches_page(request: Request, session: Viewer, fragment: Fragment = False) 
         batch = body_field(conn.dialect.name, "batch_id")
         q = select(job_events.c.topic, job_events.c.body, job_events.c.created_at).where(batch.is_not(None))
         if not session.caller.token.admin:
-            q = q.join(jobs, jobs.c.id == job_events.c.job_id).where(jobs.c.owner == session.caller.owner)
+            q = owned_by(q, conn.dialect.name, session.caller.owner)
         rows = list(conn.execute(q.order_by(job_events.c.id.desc()).limit(BATCH_EVENTS)).mappings())
     latest: dict[str, Any] = {}
     for r in rows:

@@ -18,7 +18,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ColumnElement, Engine, RowMapping, String, and_, func, literal_column, or_, select
+from sqlalchemy import (
+    ColumnElement,
+    Engine,
+    RowMapping,
+    Select,
+    String,
+    and_,
+    func,
+    literal_column,
+    or_,
+    select,
+)
 
 from conveyor.db.engine import reading
 from conveyor.db.schema import job_events, jobs
@@ -72,14 +83,7 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
             if where.owner is not None:
                 q = q.where(jobs.c.owner == where.owner)
         elif where.owner is not None:
-            # An event of no job, or of a job of no owner (the deployment's own, such as a
-            # batch's and its files' stages), is the owner's its body names.
-            q = q.outerjoin(jobs, jobs.c.id == job_events.c.job_id).where(
-                or_(
-                    jobs.c.owner == where.owner,
-                    and_(jobs.c.owner.is_(None), body_field(dialect, "owner") == where.owner),
-                )
-            )
+            q = owned_by(q, dialect, where.owner)
         if where.job is not None:
             q = q.where(job_events.c.job_id == where.job)
         if where.batch is not None:
@@ -88,6 +92,18 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
     if len(rows) == limit:
         return FeedPage(rows, str(rows[-1]["position"]), True)
     return FeedPage(rows, str(head), False)
+
+
+def owned_by(q: Select[Any], dialect: str, owner: str) -> Select[Any]:
+    """``q`` (over ``job_events``) kept to the events of ``owner``: its jobs' events, and
+    those of no job or of a job of no owner (the deployment's own, such as a batch's and
+    its files' stages) whose body names it."""
+    return q.outerjoin(jobs, jobs.c.id == job_events.c.job_id).where(
+        or_(
+            jobs.c.owner == owner,
+            and_(jobs.c.owner.is_(None), body_field(dialect, "owner") == owner),
+        )
+    )
 
 
 def head_cursor(engine: Engine) -> str:
@@ -107,4 +123,4 @@ def body_field(dialect: str, name: str) -> ColumnElement[Any]:
     return body.op("->>", return_type=String)(literal_column(f"'{name}'"))
 
 
-__all__ = ["FeedFilter", "FeedPage", "body_field", "check_cursor", "head_cursor", "read_page"]
+__all__ = ["FeedFilter", "FeedPage", "body_field", "check_cursor", "head_cursor", "owned_by", "read_page"]

@@ -185,14 +185,18 @@ def test_batch_progress_is_read_from_events_with_a_batch_id(
     owner = f"dan-{tag}"
     job_id = job_of(platform, owner)
     body = {"batch_id": f"b-{tag}", "owner": owner, "total": 4, "ready": 2, "failed": 1, "queued": 1}
+    # As the files family emits them: no job, the batch's owner in the body; and one of a job.
+    later = {**body, "batch_id": f"c-{tag}", "owner": "someone-else"}
     with platform.engine.begin() as conn:
-        event = {"job_id": job_id, "topic": "batch.progress", "body": body, "created_at": func.now()}
-        conn.execute(insert(s.job_events).values(**event))
+        for job, event_body in ((None, body), (job_id, later)):
+            event = {"job_id": job, "topic": "batch.progress", "body": event_body, "created_at": func.now()}
+            conn.execute(insert(s.job_events).values(**event))
     sign_in(browser, token(owner))
     page = browser.get("/console/batches").text
     assert f"b-{tag}" in page and '<progress max="4" value="3"' in page
+    assert f"c-{tag}" in page  # an event of dan's own job is his, whatever its body says
     sign_in(browser, token(f"erin-{tag}"))
-    assert f"b-{tag}" not in browser.get("/console/batches").text  # not her job's event
+    assert f"b-{tag}" not in browser.get("/console/batches").text  # not her batch
 
 
 def test_the_json_api_never_takes_the_console_cookie(
