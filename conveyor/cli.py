@@ -15,7 +15,7 @@ from conveyor import cli_output as out
 from conveyor import (
     cli_run,  # noqa: F401  (registers up, worker, beat, flower and demo)
     cli_top,  # noqa: F401  (registers top)
-    cli_web,  # noqa: F401  (registers serve, openapi and tokens)
+    cli_web,  # noqa: F401  (registers serve, openapi, tokens and stages)
 )
 from conveyor.cli_common import (
     cli,

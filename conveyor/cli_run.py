@@ -21,6 +21,7 @@ import typer
 from conveyor.cli_common import cli, import_path, load_platform, migrate, run_command
 from conveyor.cli_output import console, err
 from conveyor.errors import ConfigurationError
+from conveyor.procs import terminate_with_parent
 from conveyor.settings import ConveyorSettings
 
 
@@ -66,9 +67,10 @@ def _tend(child: _Child, now: float) -> None:
 
 
 def _supervise(children: list[_Child]) -> None:
-    """Keep ``children`` running until SIGTERM or Ctrl-C."""
+    """Keep ``children`` running until SIGTERM, SIGHUP (its terminal closed) or Ctrl-C."""
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGHUP, lambda *_: stopping.set())
     try:
         while not stopping.wait(0.5):
             now = time.monotonic()
@@ -89,7 +91,13 @@ def _up_children(
     queues = [q.name for q in platform.queues]
 
     def worker() -> subprocess.Popen[bytes]:
-        return start_worker(settings, queues=queues, concurrency=concurrency, log_path=logs / "worker.log")
+        return start_worker(
+            settings,
+            queues=queues,
+            concurrency=concurrency,
+            log_path=logs / "worker.log",
+            die_with_parent=True,
+        )
 
     def beat() -> subprocess.Popen[bytes]:
         with open(logs / "beat.log", "ab") as out:
@@ -99,6 +107,7 @@ def _up_children(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=terminate_with_parent,
             )
 
     children = [_Child("worker", worker), _Child("beat", beat)]
@@ -113,6 +122,7 @@ def _up_children(
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    preexec_fn=terminate_with_parent,
                 )
 
         children.append(_Child("api", serve))
@@ -124,6 +134,22 @@ def _up_children(
         port = settings.flower_port
         children.append(_Child("flower", lambda: _flower_process(settings, port=port, password=password)))
     return children
+
+
+def _stop_leftovers(home: Path) -> None:
+    """A previous ``up`` of this home that was killed left its embedded Redis running (its
+    other children got SIGTERM when it died): stop it before starting anew."""
+    from urllib.parse import urlparse
+
+    from conveyor.embedded import EmbeddedRedis
+    from conveyor.runfile import pid_alive, stale_run
+
+    stale = stale_run(home)
+    if stale is None or not stale.redis_pid or not pid_alive(stale.redis_pid):
+        return
+    port = urlparse(stale.redis_url).port or 6379
+    err.print(f"conveyor up: stopping the embedded Redis (pid {stale.redis_pid}) a killed run left")
+    EmbeddedRedis(url=stale.redis_url, pid=stale.redis_pid, port=port).stop()
 
 
 def _api_address(settings: ConveyorSettings, port: int | None) -> tuple[str, int] | None:
@@ -143,6 +169,8 @@ def _api_address(settings: ConveyorSettings, port: int | None) -> tuple[str, int
         return None
     host = settings.http_host
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        # As uvicorn binds: connections of a stopped server still in TIME_WAIT do not count.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -175,6 +203,7 @@ def up(
 
         base = ConveyorSettings()
         home = base.resolved_home()
+        _stop_leftovers(home)
         services = attach(base) if base.redis_url and base.database_url else None
         services = services or start_embedded(base)
         info = RunInfo(
@@ -300,6 +329,7 @@ def _flower_process(
         env=env,
         cwd=home,
         start_new_session=True,
+        preexec_fn=terminate_with_parent,  # `conveyor flower` or `up` gone: Flower too
     )
 
 

@@ -223,4 +223,54 @@ def _cells(token: tokens.Token) -> list[object]:
     ]
 
 
-__all__ = ["serve", "tokens_cli"]
+STAGE_COLUMNS = ["stage", "queue", "max attempts", "dedup", "lease key", "on_retry hook", "updated"]
+
+
+@cli.command("stages")
+def stages_list(as_json: bool = json_option(), wait: float = wait_option()) -> None:
+    """The stages the deployment's workers registered: what a client may submit by name."""
+
+    def main() -> int:
+        from conveyor import registry
+
+        engine = _engine()
+        try:
+            found = sorted(registry.load(engine).values(), key=lambda r: r.name)
+        finally:
+            engine.dispose()
+        if as_json:
+            out.print_json(
+                [
+                    {
+                        "name": r.name,
+                        "queue": r.queue,
+                        "max_attempts": r.max_attempts,
+                        "dedup": r.dedup,
+                        "lease_key": r.lease_key,
+                        "on_retry": r.on_retry,
+                        "payload_schema": r.payload_schema,
+                        "updated_at": r.updated_at,
+                    }
+                    for r in found
+                ]
+            )
+            return 0
+        rows = [
+            [
+                r.name,
+                r.queue,
+                r.max_attempts,
+                (r.dedup or {}).get("mode", "") if r.dedup else "",
+                r.lease_key or "",
+                {True: "yes", False: "no", None: "?"}[r.on_retry],
+                r.updated_at or "",
+            ]
+            for r in found
+        ]
+        out.print_table(STAGE_COLUMNS, rows, title="stages")
+        return 0
+
+    run_command(main, wait=wait, read_only=True)
+
+
+__all__ = ["serve", "stages_list", "tokens_cli"]

@@ -30,6 +30,18 @@ def service_env(settings: ConveyorSettings, extra: Mapping[str, str] | None = No
     return env
 
 
+def terminate_with_parent() -> None:
+    """In a child before it runs its program (``preexec_fn``): ask Linux to send it
+    SIGTERM when its parent dies, even by SIGKILL, so that nothing a supervisor started
+    outlives it in a session of its own. Elsewhere, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def start_worker(
     settings: ConveyorSettings,
     *,
@@ -40,9 +52,11 @@ def start_worker(
     extra_env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     plain_celery: bool = False,
+    die_with_parent: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start ``conveyor worker`` (prefork; SIGTERM bounded by the soft-shutdown timeout) as
-    a child process, or with ``plain_celery`` ``celery -A <app> worker`` (unbounded)."""
+    a child process, or with ``plain_celery`` ``celery -A <app> worker`` (unbounded). With
+    ``die_with_parent`` it gets SIGTERM when the calling process dies, however it dies."""
     command = ["celery", "-A", settings.app] if plain_celery else ["conveyor"]
     args = [
         sys.executable,
@@ -72,6 +86,7 @@ def start_worker(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=terminate_with_parent if die_with_parent else None,
         )
     finally:
         if out is not None:  # the child keeps its own copy of the descriptor

@@ -184,6 +184,15 @@ def read_run_info(home: Path) -> RunInfo | None:
     return info
 
 
+def stale_run(home: Path) -> RunInfo | None:
+    """The run ``home/run.json`` records if its ``conveyor up`` died without cleaning up
+    (killed): what it started and may have left, such as its embedded Redis."""
+    info = _load(home / RUN_FILE)
+    if info is None or pid_alive(info.pid):
+        return None
+    return info
+
+
 @contextlib.contextmanager
 def run_lock(home: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``home/run.lock``, creating ``home``.

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Annotated, Any
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, urlencode, urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from jinja2 import Environment, PackageLoader
@@ -55,7 +55,7 @@ from conveyor.web import dead_letters, events
 from conveyor.web.auth import Caller, client_of
 from conveyor.web.events import FeedEvent
 from conveyor.web.feed import FeedFilter, body_field, head_cursor, owned_by
-from conveyor.web.problems import Problem
+from conveyor.web.problems import TYPE_PREFIX, Problem
 
 router = APIRouter(prefix="/console", include_in_schema=False)
 
@@ -172,7 +172,10 @@ def login_page(request: Request) -> HTMLResponse:
 
 @router.post("/login")
 def login(request: Request, fields: Form) -> Response:
-    """Verify the pasted token and keep it in the session cookie."""
+    """Verify the pasted token and keep it in the session cookie. A sign-in posted from
+    another site is refused: it would sign this browser in as someone else."""
+    if _cross_site(request):
+        return render(request, "login.html", status=403, error="Sign in from this page itself.")
     secret = fields.get("token", "").strip()
     token = tokens.verify(client_of(request).connections.engine, secret) if secret else None
     if token is None:
@@ -191,6 +194,17 @@ def login(request: Request, fields: Form) -> Response:
         secure=request.url.scheme == "https",
     )
     return answer
+
+
+def _cross_site(request: Request) -> bool:
+    """Whether a form post came from another origin (``Sec-Fetch-Site``, else ``Origin``)."""
+    fetched = request.headers.get("sec-fetch-site")
+    if fetched is not None:
+        return fetched not in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None or origin == "null":
+        return origin == "null"
+    return urlsplit(origin).netloc != request.headers.get("host", request.url.netloc)
 
 
 @router.post("/logout")
@@ -257,17 +271,27 @@ def job_page(
     return _live(request, session, "job", f"/jobs/{job_id}", fragment, context, stream=stream)
 
 
+REFUSALS = {
+    "not-retryable": "Not retried: the entry is retried already, or its job is no longer dead.",
+    "retry-refused": "Not retried: another live job holds its dedup id; retry once that one has finished.",
+    "not-found": "Not retried: there is no such entry (purged?).",
+}
+
+
 @router.get("/dead-letters")
 def dead_letters_page(
     request: Request,
     session: Operator,
     fragment: Fragment = False,
-    retried: Annotated[str | None, Query(max_length=64)] = None,
-    requested: Annotated[str | None, Query(max_length=64)] = None,
-    refused: Annotated[str | None, Query(max_length=500)] = None,
-    summary: Annotated[str | None, Query(max_length=200)] = None,
+    retried: Annotated[str | None, Query(pattern=r"^[A-Za-z0-9._:-]{1,64}$")] = None,
+    requested: Annotated[int | None, Query(ge=1)] = None,
+    refused: Annotated[str | None, Query(pattern=r"^[a-z-]{1,40}$")] = None,
+    done: Annotated[str | None, Query(pattern=r"^\d{1,9},\d{1,9},\d{1,9}$")] = None,
 ) -> HTMLResponse:
-    """The open dead-letter entries, newest first, each with a Retry button; Retry all."""
+    """The open dead-letter entries, newest first, each with a Retry button; Retry all.
+
+    What the last action did comes back in the query as ids, counts and a kind, never as
+    text: a crafted link cannot make the page say anything of its choosing."""
     client = client_of(request)
     head = head_cursor(client.connections.engine)
     entries = client.dlq.scan(limit=RECENT)
@@ -276,8 +300,10 @@ def dead_letters_page(
         notice = f"Job {retried} is queued again."
     elif requested:
         notice = f"Retry of entry {requested} requested: a worker performs it (its stage has a hook)."
-    elif summary:
-        notice = summary
+    elif done:
+        n_retried, n_requested, n_refused = done.split(",")
+        notice = f"{n_retried} retried, {n_requested} requested of a worker, {n_refused} refused."
+    refused = REFUSALS.get(refused or "", "Not retried.") if refused else None
     context = {"entries": entries, "notice": notice, "refused": refused}
     return _live(request, session, "dead-letters", "/dead-letters", fragment, context, stream={"since": head})
 
@@ -291,7 +317,7 @@ def retry_one(
     try:
         done = dead_letters.retry(request, Response(), session.caller, entry_id)
     except Problem as exc:
-        return _back(request, "/dead-letters", refused=exc.detail or exc.title)
+        return _back(request, "/dead-letters", refused=exc.type.removeprefix(TYPE_PREFIX) or "refused")
     if done.requested:
         return _back(request, "/dead-letters", requested=str(entry_id))
     return _back(request, "/dead-letters", retried=done.job_id)
@@ -301,11 +327,9 @@ def retry_one(
 def retry_all(request: Request, session: Operator, fields: Form) -> Response:
     """Retry every open entry, as the API's ``POST /dead-letters/retry`` with no filter."""
     _checked(request, session, fields)
-    done = dead_letters.retry_all(request, session.caller, dead_letters.Filter())
-    summary = (
-        f"{done.retried} retried, {len(done.requested)} requested of a worker, {len(done.refused)} refused."
-    )
-    return _back(request, "/dead-letters", summary=summary)
+    done = dead_letters.retry_all(request, session.caller, dead_letters.RetryAllRequest(all=True))
+    counts = f"{done.retried},{len(done.requested)},{len(done.refused)}"
+    return _back(request, "/dead-letters", done=counts)
 
 
 @router.get("/batches")

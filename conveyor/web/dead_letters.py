@@ -113,6 +113,19 @@ class PurgeRequest(Filter):
     all: bool = Field(False, description="true: delete every entry when no condition is given")
 
 
+class RetryAllRequest(Filter):
+    """Open entries to retry; an empty filter needs ``all: true``."""
+
+    all: bool = Field(False, description="true: retry every open entry when no condition is given")
+
+
+def _refuse_empty(body: PurgeRequest | RetryAllRequest, action: str) -> None:
+    """422 for a filter that names nothing without ``all: true`` (a slip, not a wish)."""
+    if body.empty() and not body.all:
+        detail = f"give stage, queue, since or until, or all: true to {action} every entry"
+        raise Problem(422, "empty-filter", "Empty filter", detail)
+
+
 class Retried(BaseModel):
     """What a retry-all did: the jobs sent back to ``queued``, and the entries refused."""
 
@@ -233,13 +246,14 @@ def show(request: Request, caller: Admin, entry_id: EntryId) -> DeadLetterDetail
     response_model=Retried,
     operation_id="retryDeadLetters",
     summary="Retry every open entry matching a filter",
-    description="Scope `admin`. An empty filter retries every open entry. Entries of stages with "
-    "an `on_retry` hook are asked of a worker (listed in `requested`); those whose dedup id another "
-    "live job holds are refused and stay open (listed in `refused`).",
+    description="Scope `admin`. An empty filter is refused (422) unless `all` is true. Entries of "
+    "stages with an `on_retry` hook are asked of a worker (listed in `requested`); those whose dedup "
+    "id another live job holds are refused and stay open (listed in `refused`).",
     responses={200: {"links": job_links("/job_ids/0", "GetJob")}, **responses(*AUTH, 422, 503)},
 )
-def retry_all(request: Request, caller: Admin, body: Filter) -> Retried:
+def retry_all(request: Request, caller: Admin, body: RetryAllRequest) -> Retried:
     """Retry the matching entries, as the caller's token."""
+    _refuse_empty(body, "retry")
     refused: list[RetryRefused] = []
     requested: list[int] = []
     ids = client_of(request).dlq.retry_all(
@@ -265,9 +279,7 @@ def retry_all(request: Request, caller: Admin, body: Filter) -> Retried:
 )
 def purge(request: Request, caller: Admin, body: PurgeRequest) -> Purged:
     """Delete the matching entries."""
-    if body.empty() and not body.all:
-        detail = "give stage, queue, since or until, or all: true to delete every entry"
-        raise Problem(422, "empty-filter", "Empty filter", detail)
+    _refuse_empty(body, "delete")
     n = client_of(request).dlq.purge(
         stage=body.stage, queue=body.queue, since=_utc(body.since), until=_utc(body.until)
     )

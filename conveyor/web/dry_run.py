@@ -25,12 +25,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from conveyor.client import Client
 from conveyor.db import schema as s
+from conveyor.db.dialect import db_now
 from conveyor.db.engine import reading
 from conveyor.db.schema import dedup_keys, jobs, leases
 from conveyor.dedup import FAILED
@@ -100,7 +101,8 @@ def dry_run(request: Request, caller: Submitter, body: SubmitRequest) -> DryRun:
                 reasons.append(
                     _seen("deduplicated", "an equal job holds the stage's dedup key", holder, caller)
                 )
-        now = conn.execute(select(func.now())).scalar_one()
+        now = conn.execute(select(db_now())).scalar_one()
+        now = now if now.tzinfo else now.replace(tzinfo=dt.UTC)  # SQLite's clock is naive UTC
         reasons += _timing(body, now)
         if spec.lease_key:
             reasons += _lease(conn, spec, payload, caller)

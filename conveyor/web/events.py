@@ -34,7 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from conveyor.web.auth import Caller, Reader, client_of
-from conveyor.web.feed import FeedFilter, FeedPage, read_page
+from conveyor.web.feed import CursorAhead, FeedFilter, FeedPage, read_page
 from conveyor.web.limits import Held, held_limit
 from conveyor.web.links import link
 from conveyor.web.problems import Problem, responses
@@ -107,7 +107,10 @@ def _filter(
     return FeedFilter(job=job, flow=flow, batch=batch, owner=caller.owner)
 
 
-def _invalid_cursor(name: str) -> Problem:
+def _invalid_cursor(name: str, exc: ValueError) -> Problem:
+    if isinstance(exc, CursorAhead):
+        detail = f"{name} is past the newest event (was the database replaced?): read again from the start"
+        return Problem(422, "invalid-cursor", "Invalid cursor", detail)
     return Problem(422, "invalid-cursor", "Invalid cursor", f"{name} is not a cursor of this API")
 
 
@@ -135,8 +138,8 @@ def list_events(
     where = _filter(caller, job, flow, batch, owner)
     try:
         page = read_page(client_of(request).connections.engine, since, where, limit)
-    except ValueError:
-        raise _invalid_cursor("since") from None
+    except ValueError as exc:
+        raise _invalid_cursor("since", exc) from None
     return EventPage(events=[FeedEvent.from_row(r) for r in page.rows], cursor=page.cursor)
 
 
@@ -191,9 +194,9 @@ async def open_stream(
     try:
         # The first read answers a bad cursor or a database outage as a problem, before streaming.
         first = await run_in_threadpool(read_page, engine, start, where, STREAM_PAGE)
-    except ValueError:
+    except ValueError as exc:
         held.release()
-        raise _invalid_cursor("Last-Event-ID" if last_event_id is not None else "since") from None
+        raise _invalid_cursor("Last-Event-ID" if last_event_id is not None else "since", exc) from None
     except BaseException:
         held.release()
         raise

@@ -37,6 +37,11 @@ from conveyor.events import event_position, resolve_cursor, sequence_events
 from conveyor.store import parse_cursor
 
 
+class CursorAhead(ValueError):
+    """A cursor past the newest event: this feed never gave it out (its database was
+    replaced or restored since), so reading on from it would silently skip what comes."""
+
+
 @dataclass(frozen=True)
 class FeedFilter:
     """Which events a reader wants; None matches any. ``owner`` keeps only the events of
@@ -67,13 +72,16 @@ def read_page(engine: Engine, since: str | None, where: FeedFilter, limit: int) 
     """Up to ``limit`` events matching ``where`` after cursor ``since`` (None: the
     beginning), in commit order. Every event committed before the call is either here or
     before ``since``; one committed later comes in a later page. Raises ValueError for a
-    malformed cursor. Blocking: call it from a thread in async code."""
+    malformed cursor, :class:`CursorAhead` for one past the newest event. Blocking: call
+    it from a thread in async code."""
     parsed = parse_cursor(since)
     with reading(engine) as conn:
         sequence_events(conn)
         after = resolve_cursor(conn, parsed)
         position = event_position(conn)
         head = conn.execute(select(func.max(position))).scalar()
+        if after > (head or 0):
+            raise CursorAhead(f"the cursor {after} is past the newest event ({head or 0})")
         if head is None or head <= after:
             return FeedPage([], str(after), False)
         dialect = conn.dialect.name
@@ -123,4 +131,13 @@ def body_field(dialect: str, name: str) -> ColumnElement[Any]:
     return body.op("->>", return_type=String)(literal_column(f"'{name}'"))
 
 
-__all__ = ["FeedFilter", "FeedPage", "body_field", "check_cursor", "head_cursor", "owned_by", "read_page"]
+__all__ = [
+    "CursorAhead",
+    "FeedFilter",
+    "FeedPage",
+    "body_field",
+    "check_cursor",
+    "head_cursor",
+    "owned_by",
+    "read_page",
+]

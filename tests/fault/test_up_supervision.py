@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -74,4 +75,57 @@ def test_up_restarts_a_killed_worker(platform: Any, tmp_path: Path, tag: str) ->
     assert f"worker (pid {first}) exited with code -9; restarting in 1s" in said, out
     assert f"worker restarted (pid {second})" in said, out
     assert not pid_alive(second), "conveyor up left its worker running"
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_a_killed_up_takes_its_children_along_and_the_next_up_its_redis(tmp_path: Path) -> None:
+    """``conveyor up`` SIGKILLed (or its terminal closed: SIGHUP) leaves nothing running:
+    its worker, beat and API get SIGTERM from the kernel as it dies, and the next ``up``
+    of the same home stops the embedded Redis the killed one left, then starts anew."""
+    from tests.integration.http_support import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONVEYOR_")}
+    env.update(
+        CONVEYOR_HOME=str(tmp_path), CONVEYOR_HTTP_PORT=str(free_port()), CONVEYOR_SOFT_SHUTDOWN_TIMEOUT="5"
+    )
+
+    def start() -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [CONVEYOR, "up", "--concurrency", "1"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+
+    def started(up: subprocess.Popen[str]) -> dict[int, str]:
+        def ready() -> dict[int, str]:
+            kids = _children(up.pid)
+            names = " ".join(kids.values())
+            return kids if all(w in names for w in (" worker ", " beat", " serve ")) else {}
+
+        return eventually(ready, timeout=60)
+
+    first = start()
+    kids = started(first)
+    redis_pid = json.loads((tmp_path / "run.json").read_text())["redis_pid"]
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(timeout=10)
+    eventually(lambda: not any(pid_alive(pid) for pid in kids), timeout=30)
+    assert pid_alive(redis_pid)  # reparented by design: only the next up knows it
+
+    second = start()
+    try:
+        started(second)
+        assert not pid_alive(redis_pid), "the next up left the killed run's Redis running"
+        second_kids = _children(second.pid)
+        second.send_signal(signal.SIGHUP)  # the terminal it ran in was closed
+        out, _ = second.communicate(timeout=60)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    assert "stopping the embedded Redis" in out, out
+    assert second.returncode == 0, out
+    assert not any(pid_alive(pid) for pid in second_kids)
     assert not (tmp_path / "run.json").exists()

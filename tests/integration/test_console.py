@@ -79,6 +79,23 @@ def test_a_bad_token_is_refused_at_sign_in(browser: TestClient, token: Token, ta
     assert browser.get("/console").status_code == 303
 
 
+def test_a_sign_in_posted_from_another_site_is_refused(browser: TestClient, token: Token, tag: str) -> None:
+    secret = token(f"ops-{tag}", "admin")
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        resp = browser.post("/console/login", data={"token": secret}, headers=headers)
+        assert resp.status_code == 403 and "conveyor_console" not in resp.headers.get("set-cookie", "")
+    sign_in(browser, secret)  # from the page itself (same origin, or a client without those headers)
+
+
+def test_a_crafted_link_cannot_put_words_on_the_page(browser: TestClient, token: Token, tag: str) -> None:
+    sign_in(browser, token(f"ops-{tag}", "admin"))
+    page = browser.get("/console/dead-letters", params={"summary": "Your session expired at evil.example"})
+    assert page.status_code == 200 and "evil.example" not in page.text
+    assert browser.get("/console/dead-letters", params={"retried": "<b>hi</b> there"}).status_code == 422
+    done = browser.get("/console/dead-letters", params={"done": "3,1,0"}).text
+    assert "3 retried, 1 requested of a worker, 0 refused." in done
+
+
 @pytest.mark.parametrize("path", PAGES)
 def test_without_a_cookie_every_page_goes_to_sign_in(browser: TestClient, path: str) -> None:
     resp = browser.get(path)

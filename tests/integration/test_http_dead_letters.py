@@ -195,6 +195,8 @@ def test_retry_all_by_filter_and_a_stage_with_a_hook_is_asked_of_a_worker(
         for _, entry in dead:
             conn.execute(update(s.dead_letters).where(s.dead_letters.c.id == entry).values(stage=stage))
         conn.execute(update(s.jobs).where(s.jobs.c.id == hooked_job).values(stage=hooked))
+    empty = problem(http.post("/dead-letters/retry", json={}, headers=admin), 422, "empty-filter")
+    assert "all: true" in empty["detail"]  # a slip would retry every stage's dead letters
     done = http.post("/dead-letters/retry", json={"stage": stage}, headers=admin).json()
     assert done["retried"] == 2 and sorted(done["job_ids"]) == sorted(j for j, _ in dead)
     assert done["refused"] == [] and done["requested"] == []

@@ -146,3 +146,23 @@ def test_rate_limit_and_concurrency_as_redis_holds_them_now(platform: Any, token
             )
     finally:
         c.close()
+
+
+def test_on_sqlite_times_are_compared_and_answered_in_utc(on_sqlite: Any, tag: str) -> None:
+    from conveyor import registry, tokens
+
+    registry.write(on_sqlite.engine, on_sqlite.stages.values())
+    secret = tokens.create(on_sqlite.engine, owner=f"a{tag}", scopes=("submit",)).secret
+    c = conveyor.connect(database_url=on_sqlite.settings.database_url, redis_url=on_sqlite.settings.redis_url)
+    try:
+        with TestClient(create_app(c)) as api:
+            later = dry(api, secret, run_at="2030-01-01T00:00:00Z").json()
+            assert [r["code"] for r in later["reasons"]] == ["delayed"]
+            assert later["reasons"][0]["until"].startswith("2030-01-01T00:00:00") and (
+                later["reasons"][0]["until"].endswith(("Z", "+00:00"))
+            )
+            assert codes(dry(api, secret, run_at="2001-01-01T00:00:00Z")) == []
+            delayed = dry(api, secret, delay=30).json()["reasons"][0]["until"]
+            assert delayed.endswith(("Z", "+00:00"))
+    finally:
+        c.close()

@@ -401,3 +401,22 @@ def test_the_batch_filter_reads_its_index(platform: Any) -> None:
 
 def test_the_batch_filter_reads_its_index_on_sqlite(on_sqlite: Any) -> None:
     assert "ix_job_events_batch" in _plan(on_sqlite.engine, "sqlite")
+
+
+def test_a_cursor_past_the_newest_event_is_refused_not_silently_followed(
+    http: TestClient, client: conveyor.Client, token: Token, tag: str
+) -> None:
+    """A cursor this feed never gave out (kept from before the database was replaced):
+    reading on from it would skip every event until the new feed caught up."""
+    later(client, f"alice-{tag}")
+    secret = token(f"alice-{tag}")
+    _, cursor = read_all(http, secret)
+    body = problem(
+        http.get("/events", params={"since": str(int(cursor) + 10**6)}, headers=auth(secret)),
+        422,
+        "invalid-cursor",
+    )
+    assert "past the newest event" in body["detail"]
+    ahead = {**auth(secret), "Last-Event-ID": str(int(cursor) + 10**6)}
+    problem(http.get("/events/stream", headers=ahead), 422, "invalid-cursor")
+    assert http.get("/events", params={"since": cursor}, headers=auth(secret)).status_code == 200

@@ -69,3 +69,17 @@ def test_serve_submit_run_show_cancel_revoke(
     assert f"/jobs/{job_id}" in text  # the access log went to Conveyor's renderer...
     assert secret.split("_", 2)[2] not in text  # ...and no secret anywhere in the logs
     assert all(json.loads(line) for line in text.splitlines() if line.startswith("{"))
+
+
+def test_conveyor_stages_lists_what_a_client_may_submit(platform: Any) -> None:
+    from conveyor import registry
+
+    registry.write(platform.engine, platform.stages.values())
+    listed = conveyor_cli("stages", "--json")
+    assert listed.returncode == 0, listed.stderr
+    by_name = {s["name"]: s for s in json.loads(listed.stdout)}
+    square = by_name["conveyor.demo.square"]
+    assert square["queue"] == "demo" and square["on_retry"] is False
+    assert square["payload_schema"]["properties"]["n"]["type"] == "integer"
+    table = conveyor_cli("stages")
+    assert table.returncode == 0 and "conveyor.demo.square" in table.stdout
