@@ -81,7 +81,13 @@ def _supervise(children: list[_Child]) -> None:
 
 
 def _up_children(
-    platform: Any, logs: Path, *, concurrency: int | None, flower: bool, api: tuple[str, int] | None
+    platform: Any,
+    logs: Path,
+    *,
+    concurrency: int | None,
+    flower: bool,
+    api: tuple[str, int] | None,
+    metrics_port: int | None = None,
 ) -> list[_Child]:
     """What ``conveyor up`` runs: a worker (with the relay), beat, the HTTP API on ``api``
     (host, port) and optionally Flower."""
@@ -97,6 +103,7 @@ def _up_children(
             concurrency=concurrency,
             log_path=logs / "worker.log",
             die_with_parent=True,
+            extra_args=["--metrics-port", str(metrics_port)] if metrics_port else (),
         )
 
     def beat() -> subprocess.Popen[bytes]:
@@ -188,6 +195,7 @@ def up(
     http_port: int = typer.Option(
         None, help="the HTTP API's port (default: CONVEYOR_HTTP_PORT, 8000; 0: no API)"
     ),
+    metrics_port: int = typer.Option(None, help="the worker's Prometheus metrics on this port"),
 ) -> None:
     """Run everything in one: services (embedded if unset), migrations, worker+relay, beat,
     and the HTTP API (with the web extra) on http://127.0.0.1:8000.
@@ -228,7 +236,9 @@ def up(
             migrate(platform)
             logs = home / "logs"
             logs.mkdir(exist_ok=True)
-            children = _up_children(platform, logs, concurrency=concurrency, flower=flower, api=api)
+            children = _up_children(
+                platform, logs, concurrency=concurrency, flower=flower, api=api, metrics_port=metrics_port
+            )
             for child in children:
                 child.start()
             console.print(
