@@ -5,7 +5,12 @@ Two figures, both with a real worker subprocess and 4 pool slots on every side.
 **Drain** (issue #16): per side, enqueue N no-op jobs with no worker running (timed:
 ``enqueue_per_s``), then start the worker on an idle queue, wait until it answers a ping,
 and only then point it at the full queue (``add_consumer``), so its boot is not measured;
-the drain is timed until the last job is done (``drain_per_s``). Over the drain window:
+the drain is timed from the moment it takes the first message (the consumer adds the queue
+when its BRPOP on the idle queue returns) until the last job is done (``drain_per_s``). The
+worker is cold: its pool children's first-job setup is in the window, spread over N. After the
+enqueue, each Postgres side's database is ``ANALYZE``d, as autovacuum would have done in a
+steady state (without it the planner believes the queue is empty, and Procrastinate's fetch
+cost more than trebled). Over the drain window:
 
 * CPU per job by process group, from ``/proc/<pid>/stat`` (utime + stime), sampled every
   0.2 s so processes that come or go in the window count: the worker's process tree, the
@@ -925,6 +930,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def print_drain(figures: dict[str, DrainFigures], configs: dict[str, str]) -> None:
     """The drain mode's ``name=value`` lines."""
+    if figures and procrastinate is None:
+        print("procrastinate_config=\"skipped: not installed (pip install -e '.[bench]')\"")
     for side, fig in figures.items():
         print(f'{side}_config="{configs[side]}"')
         print(f"{side}_enqueue_per_s={fig.enqueue_per_s:.1f}")
