@@ -8,8 +8,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -224,3 +225,101 @@ def check_all_succeeded(platform: Platform, expected: int) -> None:
         dead = int(conn.execute(select(func.count()).select_from(dead_letters)).scalar_one())
     if counts != {"succeeded": expected} or dead:
         raise BenchError(f"expected {expected} succeeded jobs, found {counts} and {dead} dead letters")
+
+
+# -- CPU per process group, from /proc ------------------------------------------------------
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from field 3 (state) on, or None when the process is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return data[data.rindex(")") + 2 :].split()
+
+
+def cpu_ticks(pid: int) -> tuple[int, int] | None:
+    """``(utime + stime, starttime)`` of ``pid`` in clock ticks, or None when it is gone."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    # stat fields 14, 15 (utime, stime) and 22 (starttime); fields[0] is field 3.
+    return int(fields[11]) + int(fields[12]), int(fields[19])
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live descendant of it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def uptime_ticks() -> float:
+    """Seconds since boot, in clock ticks (the unit of ``starttime``)."""
+    return float(Path("/proc/uptime").read_text().split()[0]) * CLK_TCK
+
+
+class CpuMeter:
+    """CPU seconds (user + system) used by groups of processes over a window.
+
+    Each group is a function returning its pids now; they are sampled at the start, every
+    ``interval`` seconds on a thread, and at the end, so a process that exits during the
+    window still counts up to its last sample, and one born during it counts from zero.
+    """
+
+    def __init__(self, groups: Mapping[str, Callable[[], Iterable[int]]], interval: float = 0.2) -> None:
+        self.groups = dict(groups)
+        self.interval = interval
+        self.first: dict[tuple[str, int], int] = {}
+        self.last: dict[tuple[str, int], int] = {}
+        self.started = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        """Read every group's processes once."""
+        for group, pids in self.groups.items():
+            for pid in pids():
+                ticks = cpu_ticks(pid)
+                if ticks is None:
+                    continue
+                used, born = ticks
+                key = (group, pid)
+                if key not in self.first:
+                    self.first[key] = 0 if born > self.started else used
+                self.last[key] = used
+
+    def start(self) -> None:
+        """Open the window: first sample now, then every ``interval`` on a thread."""
+        self.started = uptime_ticks()
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> dict[str, float]:
+        """Close the window; CPU seconds per group."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.sample()
+        used = dict.fromkeys(self.groups, 0.0)
+        for (group, pid), last in self.last.items():
+            used[group] += (last - self.first[(group, pid)]) / CLK_TCK
+        return used
