@@ -136,6 +136,7 @@ def test_show_waits_for_the_job_when_asked(http: TestClient, token: Token, worke
     assert resp.status_code == 200 and resp.json()["status"] == s.QUEUED
     assert 0.9 <= time.monotonic() - started < 10
     problem(http.get(f"/jobs/{delayed['id']}", params={"wait": 31}, headers=auth(secret)), 422)
+    http.post(f"/jobs/{delayed['id']}/cancel", headers=auth(secret))  # not left to fall due later
 
 
 def test_waits_held_open_are_bounded(platform: Any, token: Token, tag: str) -> None:
@@ -163,6 +164,7 @@ def test_waits_held_open_are_bounded(platform: Any, token: Token, tag: str) -> N
         holder.join(10)
         assert first == [200]
         assert api.get(f"/jobs/{made['id']}", params={"wait": 0.2}, headers=auth(secret)).status_code == 200
+        api.post(f"/jobs/{made['id']}/cancel", headers=auth(secret))
     c.close()
 
 
