@@ -23,10 +23,10 @@ REDIS_BASE = os.environ.get("CONVEYOR_TEST_REDIS", "redis://127.0.0.1:6379")
 PG_BASE = os.environ.get("CONVEYOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 
 
-def _claim_redis_db() -> int:
+def lock_free_redis_db() -> tuple[int, int]:
     """A Redis DB no other test session on this machine uses (1-11; the benchmarks use
-    12-15). Held by an ``flock`` for the life of the session, so sessions never flush
-    each other's keys."""
+    12-15), and the descriptor whose ``flock`` holds it until it is closed, so holders
+    never flush each other's keys."""
     for db in range(1, 12):
         fd = os.open(
             os.path.join(tempfile.gettempdir(), f"conveyor-test-redis-db-{db}.lock"),
@@ -38,9 +38,15 @@ def _claim_redis_db() -> int:
         except BlockingIOError:
             os.close(fd)
             continue
-        _held_locks.append(fd)
-        return db
+        return db, fd
     raise RuntimeError("more than 11 concurrent test sessions: no free Redis DB")
+
+
+def _claim_redis_db() -> int:
+    """This session's Redis DB, held for the life of the session."""
+    db, fd = lock_free_redis_db()
+    _held_locks.append(fd)
+    return db
 
 
 _held_locks: list[int] = []

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -112,30 +110,18 @@ def scratch_redis() -> Iterator[str]:
     after, for a process whose messages no test's worker may receive; yields its URL."""
     import redis
 
-    from tests.conftest import REDIS_BASE
+    from tests.conftest import REDIS_BASE, lock_free_redis_db
 
-    for db in range(1, 12):
-        fd = os.open(
-            os.path.join(tempfile.gettempdir(), f"conveyor-test-redis-db-{db}.lock"),
-            os.O_RDWR | os.O_CREAT,
-            0o600,
-        )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        url = f"{REDIS_BASE}/{db}"
-        conn = redis.Redis.from_url(url)
-        try:
-            conn.flushdb()
-            yield url
-        finally:
-            conn.flushdb()
-            conn.close()
-            os.close(fd)  # and with it the lock
-        return
-    raise RuntimeError("no free Redis DB (1-11): too many concurrent test sessions")
+    db, fd = lock_free_redis_db()
+    url = f"{REDIS_BASE}/{db}"
+    conn = redis.Redis.from_url(url)
+    try:
+        conn.flushdb()
+        yield url
+    finally:
+        conn.flushdb()
+        conn.close()
+        os.close(fd)  # and with it the lock
 
 
 @contextlib.contextmanager

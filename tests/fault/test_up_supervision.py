@@ -43,11 +43,9 @@ def _worker_pid(up: subprocess.Popen[str], other_than: int = 0) -> int:
     return pids[0] if len(pids) == 1 else 0
 
 
-def test_up_restarts_a_killed_worker(platform: Any, tmp_path: Path, tag: str) -> None:
-    # The session's Redis DB and Postgres database (CONVEYOR_REDIS_URL/DATABASE_URL are set
-    # by tests/conftest.py), a home of its own for run.json and the logs.
-    env = {**os.environ, "CONVEYOR_HOME": str(tmp_path), "CONVEYOR_HTTP_PORT": "0"}  # no API
-    up = subprocess.Popen(
+def start_up(env: dict[str, str]) -> subprocess.Popen[str]:
+    """``conveyor up`` with one pool slot, in a session of its own, its output piped."""
+    return subprocess.Popen(
         [CONVEYOR, "up", "--concurrency", "1"],
         env=env,
         stdout=subprocess.PIPE,
@@ -55,6 +53,13 @@ def test_up_restarts_a_killed_worker(platform: Any, tmp_path: Path, tag: str) ->
         text=True,
         start_new_session=True,
     )
+
+
+def test_up_restarts_a_killed_worker(platform: Any, tmp_path: Path, tag: str) -> None:
+    # The session's Redis DB and Postgres database (CONVEYOR_REDIS_URL/DATABASE_URL are set
+    # by tests/conftest.py), a home of its own for run.json and the logs.
+    env = {**os.environ, "CONVEYOR_HOME": str(tmp_path), "CONVEYOR_HTTP_PORT": "0"}  # no API
+    up = start_up(env)
     worker_log = tmp_path / "logs" / "worker.log"
     try:
         eventually(lambda: worker_log.exists() and " ready." in worker_log.read_text(), timeout=60)
@@ -89,16 +94,6 @@ def test_a_killed_up_takes_its_children_along_and_the_next_up_its_redis(tmp_path
         CONVEYOR_HOME=str(tmp_path), CONVEYOR_HTTP_PORT=str(free_port()), CONVEYOR_SOFT_SHUTDOWN_TIMEOUT="5"
     )
 
-    def start() -> subprocess.Popen[str]:
-        return subprocess.Popen(
-            [CONVEYOR, "up", "--concurrency", "1"],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-
     def started(up: subprocess.Popen[str]) -> dict[int, str]:
         def ready() -> dict[int, str]:
             kids = _children(up.pid)
@@ -107,7 +102,7 @@ def test_a_killed_up_takes_its_children_along_and_the_next_up_its_redis(tmp_path
 
         return eventually(ready, timeout=60)
 
-    first = start()
+    first = start_up(env)
     kids = started(first)
     redis_pid = json.loads((tmp_path / "run.json").read_text())["redis_pid"]
     os.kill(first.pid, signal.SIGKILL)
@@ -115,7 +110,7 @@ def test_a_killed_up_takes_its_children_along_and_the_next_up_its_redis(tmp_path
     eventually(lambda: not any(pid_alive(pid) for pid in kids), timeout=30)
     assert pid_alive(redis_pid)  # reparented by design: only the next up knows it
 
-    second = start()
+    second = start_up(env)
     try:
         started(second)
         assert not pid_alive(redis_pid), "the next up left the killed run's Redis running"
