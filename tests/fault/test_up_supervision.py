@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from conveyor.db import schema as s
@@ -43,10 +44,17 @@ def _worker_pid(up: subprocess.Popen[str], other_than: int = 0) -> int:
     return pids[0] if len(pids) == 1 else 0
 
 
-def start_up(env: dict[str, str]) -> subprocess.Popen[str]:
+def _scrape(port: int) -> str:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    except httpx.TransportError:
+        return ""
+
+
+def start_up(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     """``conveyor up`` with one pool slot, in a session of its own, its output piped."""
     return subprocess.Popen(
-        [CONVEYOR, "up", "--concurrency", "1"],
+        [CONVEYOR, "up", "--concurrency", "1", *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -110,10 +118,13 @@ def test_a_killed_up_takes_its_children_along_and_the_next_up_its_redis(tmp_path
     eventually(lambda: not any(pid_alive(pid) for pid in kids), timeout=30)
     assert pid_alive(redis_pid)  # reparented by design: only the next up knows it
 
-    second = start_up(env)
+    metrics = free_port()
+    second = start_up(env, "--metrics-port", str(metrics))
     try:
         started(second)
         assert not pid_alive(redis_pid), "the next up left the killed run's Redis running"
+        scraped = eventually(lambda: _scrape(metrics), timeout=30)  # its worker serves them
+        assert "conveyor_state_up 1.0" in scraped and 'conveyor_queue_length{queue_name="demo"}' in scraped
         second_kids = _children(second.pid)
         second.send_signal(signal.SIGHUP)  # the terminal it ran in was closed
         out, _ = second.communicate(timeout=60)
