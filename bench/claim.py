@@ -2,7 +2,7 @@
 
 Runs against the shared Postgres only (no Redis, no worker), in a scratch database that is
 created, migrated and dropped. Two configurations of ``conveyor_claim``, the one
-statement :meth:`conveyor.store.JobStore.fast_claim` runs:
+statement the runner's claim runs (:meth:`conveyor.db.lane.Lane.claim`):
 
 * **durable**: the function exactly as migration 0007 defines it. The claim's commit
   waits for its WAL flush with the server's ``synchronous_commit`` and ``fsync`` (logged
@@ -13,12 +13,12 @@ statement :meth:`conveyor.store.JobStore.fast_claim` runs:
   and a crash within the WAL writer's window loses the claim.
 
 Per claim: insert a queued job (an ordinary synchronous transaction, not timed), then time
-``fast_claim`` on an autocommit connection, as the runner does, with
+``Lane.claim`` (one autocommit statement), as the runner does, with
 :func:`time.perf_counter_ns`. One client, sequential: each commit pays its own flush, with
 no group commit to share it, so this is the durable claim's worst case. The sides are
 interleaved in blocks of 100 claims (the function is redefined between blocks, outside
 the timing) after a warm-up of each side (not recorded). ``claims_per_s`` is claims
-divided by the time spent inside ``fast_claim``; percentiles are nearest-rank.
+divided by the time spent inside ``Lane.claim``; percentiles are nearest-rank.
 
 Usage::
 
@@ -46,8 +46,9 @@ from typing import TYPE_CHECKING
 from bench.common import DEFAULT_PG, ROOT, BenchError, log, recreate_database
 
 if TYPE_CHECKING:
-    from sqlalchemy import Connection, Engine
+    from sqlalchemy import Engine
 
+    from conveyor.db.lane import Lane
     from conveyor.store import JobStore
 
 DATABASE = "conveyor_bench_claim"
@@ -77,8 +78,8 @@ def percentile_ms(samples_ns: Sequence[int], q: float) -> float:
     return ordered[rank - 1] / 1e6
 
 
-def claim_block(engine: Engine, claims: Connection, store: JobStore, count: int) -> list[int]:
-    """``count`` times: insert a queued job, then time its ``fast_claim`` (nanoseconds)."""
+def claim_block(engine: Engine, lane: Lane, store: JobStore, count: int) -> list[int]:
+    """``count`` times: insert a queued job, then time its ``Lane.claim`` (nanoseconds)."""
     from conveyor.runner import lease_owner
     from conveyor.store import NewJob
 
@@ -91,7 +92,7 @@ def claim_block(engine: Engine, claims: Connection, store: JobStore, count: int)
             )
         task_id = str(uuid.uuid4())
         start = time.perf_counter_ns()
-        row = store.fast_claim(claims, job_id, owner=owner, task_id=task_id)
+        row = lane.claim(job_id, owner=owner, task_id=task_id)
         samples.append(time.perf_counter_ns() - start)
         if row is None or row["attempts"] != 1:
             raise BenchError(f"claim of job {job_id} did not win attempt 1: {row!r}")
@@ -100,9 +101,12 @@ def claim_block(engine: Engine, claims: Connection, store: JobStore, count: int)
 
 def run(engine: Engine, n: int, warmup: int) -> dict[str, list[int]]:
     """Warm up both sides, then interleave blocks until each side has ``n`` samples."""
+    from conveyor.db.lane import Lane
+    from conveyor.db.namespace import SCHEMA
     from conveyor.store import JobStore
 
     functions = claim_functions()
+    lane = Lane(engine, SCHEMA)
     store = JobStore(lease_timeout=60)
     samples: dict[str, list[int]] = {side: [] for side in SIDES}
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as claims:
@@ -112,11 +116,11 @@ def run(engine: Engine, n: int, warmup: int) -> dict[str, list[int]]:
 
         for side in SIDES:
             use(side)
-            claim_block(engine, claims, store, warmup)
+            claim_block(engine, lane, store, warmup)
         while len(samples["async"]) < n:
             for side in SIDES:
                 use(side)
-                samples[side] += claim_block(engine, claims, store, min(BLOCK, n - len(samples[side])))
+                samples[side] += claim_block(engine, lane, store, min(BLOCK, n - len(samples[side])))
     return samples
 
 

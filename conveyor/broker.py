@@ -17,6 +17,7 @@ from kombu.exceptions import ChannelError
 from redis import Redis
 
 from conveyor import tracing
+from conveyor.db.schema import IGNORE_RESULT
 from conveyor.fastpath import FastPath
 
 JOB_HEADER = "conveyor_job_id"
@@ -208,6 +209,9 @@ class Broker:
             options.get("parent_id"),
             None,
             options.get("chain"),
+            # A job of submit() is awaited through its row: no result to store (see
+            # conveyor.celeryconfig); a chord member is still counted.
+            ignore_result=bool(options.get(IGNORE_RESULT)),
             **routed,
         )
         if options.get("priority") is not None:

@@ -33,6 +33,23 @@ def celery_config(
 
     One visibility timeout is shared by the broker and the result backend, because Celery
     uses the shortest it finds. Everything is JSON: no pickle on the wire or at rest.
+
+    Each choice that costs per job is kept for a guarantee or a feature (costs measured
+    by ``bench/throughput.py``, issue #16):
+
+    * ``task_acks_late`` with ``task_reject_on_worker_lost``: a message is acked after its
+      job's outcome committed, so a worker killed mid-job loses nothing (at-least-once).
+    * ``worker_disable_prefetch`` (multiplier 1): a worker holds at most one unacked message
+      per free pool slot, so preemption and a restart never strand a job behind a busy
+      slot, and another worker takes what this one cannot start yet.
+    * The Redis result backend: ``AsyncResult.get()`` of ``delay()``/``apply_async()``/
+      ``send_task``/canvases, and the chord counter. Jobs of ``submit()`` are published
+      with Celery's ``ignore_result`` (their outcome is the job row, awaited through
+      ``JobHandle.wait``), so they cost the backend nothing unless a chord counts them.
+    * Task events are off unless ``task_events`` is set: about 0.5 ms of CPU per job in the
+      worker's consumer, and the task-sent event a Redis publish per submit. Worker
+      heartbeat events stay on, and Flower sends ``enable_events`` to every worker it
+      sees, so its task views work without the setting.
     """
     broker = settings.redis_url or PLACEHOLDER_BROKER
     transport: dict[str, Any] = {
@@ -67,8 +84,8 @@ def celery_config(
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
         "worker_disable_prefetch": True,
-        "worker_send_task_events": True,
-        "task_send_sent_event": True,
+        "worker_send_task_events": settings.task_events,
+        "task_send_sent_event": settings.task_events,
         "worker_hijack_root_logger": False,
         # A running job keeps its lease in Postgres through a broker outage and a redelivered
         # copy is refused at claim, so there is nothing to gain from killing it (Celery

@@ -43,7 +43,7 @@ class Claim:
     """The result of :meth:`JobStore.claim`."""
 
     outcome: ClaimOutcome
-    job: RowMapping | None = None
+    job: Row | None = None
     took_over: bool = False
 
 
@@ -101,14 +101,6 @@ class Claims:
         return ok
 
     # -- claims ---------------------------------------------------------------------------
-
-    def fast_claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> RowMapping | None:
-        """The common case in one round trip (Postgres, autocommit); None means "ask
-        :meth:`claim`", which also explains why."""
-        if is_sqlite(conn):
-            return None
-        params = {"id": job_id, "owner": owner, "task_id": task_id}
-        return conn.execute(pg_statements(conn).claim, params).mappings().first()
 
     def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:
         """Move ``job_id`` to ``running`` for this delivery, or say why not.

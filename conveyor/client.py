@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session, scoped_session
 from conveyor import registry
 from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
+from conveyor.db.schema import IGNORE_RESULT
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
 from conveyor.enlist import Enlistment
@@ -330,6 +331,7 @@ class Client:
             run_at=utc_or_none(run_at),
         )
         new.origin_task_id = new.id
+        new.options = {IGNORE_RESULT: True}
         plan = None
         if dedup is not False:
             policy = spec.dedup_policy()  # refuses a stage whose key only its code computes

@@ -74,11 +74,11 @@ class Completion:
         store = self.store
         conn = ctx.take_connection()
         simple = skipped is None and not ctx.events and not task.request.chain and not task.request.callbacks
-        if conn is None and simple:
+        lane = self.connections.lane if conn is None and simple else None
+        if lane is not None:
             # Nothing but the completion itself to commit: one statement, autocommit.
-            with self.connections.autocommit() as ac:
-                if not store.succeed_with_event(ac, job["id"], int(job["attempts"]), result, spec.name):
-                    raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
+            if not lane.succeed(job["id"], int(job["attempts"]), result, spec.name):
+                raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
             self.metrics.inc("succeeded", spec.name)
             self._after_commit(task, job, result, [])
             return
@@ -123,7 +123,7 @@ class Completion:
         except Exception:
             log.warning("post-commit notification failed for %s", job["id"], exc_info=True)
         origin = job["origin_task_id"]
-        if origin and origin != task.request.id:
+        if origin and origin != task.request.id and s.wants_celery_result(job):
             # Callers holding the first AsyncResult (chains, send_task) still see the outcome.
             self._store_origin(task, origin, result)
 

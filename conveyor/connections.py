@@ -21,6 +21,7 @@ from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db.dialect import is_sqlite
 from conveyor.db.engine import make_engine
+from conveyor.db.lane import Lane
 from conveyor.errors import NotRunning
 from conveyor.fastpath import FastPath
 from conveyor.settings import ConveyorSettings
@@ -39,6 +40,7 @@ class Connections:
         self._engine: Engine | None = None
         self._redis: Redis | None = None
         self._broker: Broker | None = None
+        self._lane: Lane | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
         # Redis on the submit path: short timeouts and a breaker (submit needs Postgres only).
@@ -61,6 +63,7 @@ class Connections:
         self._engine = None
         self._redis = None
         self._broker = None
+        self._lane = None
         self.fast.reset()
         self._pid = os.getpid()
 
@@ -98,6 +101,17 @@ class Connections:
             return
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             yield conn
+
+    @property
+    def lane(self) -> Lane | None:
+        """The claim and completion statements on Postgres, below SQLAlchemy's execution
+        layer (:mod:`conveyor.db.lane`); None on SQLite."""
+        engine = self.engine
+        if self._lane is None or self._lane.engine is not engine:
+            if is_sqlite(engine):
+                return None
+            self._lane = Lane(engine, self.settings.db_schema)
+        return self._lane
 
     @property
     def redis(self) -> Redis:

@@ -208,7 +208,7 @@ class Flow:
     def _store_result(self, row: Row, result: Any) -> None:
         """An ``AsyncResult`` of the follower's task id sees the holder's result."""
         origin = row["origin_task_id"]
-        if not origin:
+        if not origin or not s.wants_celery_result(row):
             return
         try:
             self.connections.app.backend.store_result(origin, result, "SUCCESS")

@@ -106,9 +106,10 @@ class Runner:
             if job_id is not None:
                 slot = self._admit(spec, req, job_id)
             claim: Claim | None = None
-            if job_id is not None:
-                with self.connections.autocommit() as conn:
-                    row = store.fast_claim(conn, job_id, owner=owner, task_id=req.id)
+            lane = self.connections.lane
+            if job_id is not None and lane is not None:
+                # The common case in one round trip; None: the full claim says why.
+                row = lane.claim(job_id, owner=owner, task_id=req.id)
                 claim = Claim(ClaimOutcome.RUN, row) if row is not None else None
             if claim is None:
                 with self.connections.engine.begin() as conn:

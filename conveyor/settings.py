@@ -114,6 +114,11 @@ class ConveyorSettings(BaseSettings):
 
     worker_concurrency: int = Field(default_factory=lambda: max(1, min(4, 2 * (os.cpu_count() or 1))))
     soft_shutdown_timeout: float = 30.0
+    task_events: bool = Field(
+        False,
+        description="workers send Celery task events from the start, clients send task-sent events "
+        "(Flower turns a worker's task events on by itself when it attaches)",
+    )
     db_pool_size: int = Field(
         5, ge=0, description="connections kept per process; 0 keeps none (a connection per use)"
     )

@@ -133,6 +133,7 @@ class Submitter:
             run_at=utc_or_none(run_at),
         )
         new.origin_task_id = new.id
+        new.options = {s.IGNORE_RESULT: True}
         plan = self.recorder.dedup_plan(spec, model, dedup, reuse)
         return self.enqueue(new, session=session, plan=plan)
 

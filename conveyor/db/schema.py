@@ -53,6 +53,15 @@ THROTTLED = "throttled"  # over a rate limit or concurrency cap: parked until ru
 CLAIMABLE = (QUEUED, RETRYING, THROTTLED)
 # A job id: a UUID. A plain Celery message adopted by a worker keeps its task id as job id.
 JOB_ID_LENGTH = 36
+# A key of ``jobs.options``: the job was submitted through ``submit()`` (its outcome is its
+# row) and is published with Celery's ``ignore_result``: no result-backend write.
+IGNORE_RESULT = "ignore_result"
+
+
+def wants_celery_result(row: Mapping[str, Any]) -> bool:
+    """Whether a Celery caller may hold an ``AsyncResult`` of this job."""
+    return not (row["options"] or {}).get(IGNORE_RESULT)
+
 
 jobs = Table(
     own("jobs"),

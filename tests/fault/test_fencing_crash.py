@@ -9,8 +9,8 @@ completion would be accepted as the new one's.
 Each test starts its own cluster with ``wal_writer_delay=10s`` (the window wide open),
 autovacuum off and nothing else connected, so that nothing writes between the claim and
 ``pg_ctl stop -m immediate``. The job's insert commits synchronously and a CHECKPOINT puts
-it on disk; the claim runs the production path (``fast_claim`` on an autocommit
-connection, as the runner does); the server is stopped at once, started again, and the
+it on disk; the claim runs the production path (the runner's :class:`~conveyor.db.lane.Lane`, one
+autocommit statement); the server is stopped at once, started again, and the
 job is claimed the way a redelivered message would be once the old worker has vanished.
 """
 
@@ -25,6 +25,8 @@ from sqlalchemy import Engine
 from config.migrations import upgrade
 from conveyor.db import schema as s
 from conveyor.db.engine import make_engine
+from conveyor.db.lane import Lane
+from conveyor.db.namespace import SCHEMA
 from conveyor.runner import lease_owner
 from conveyor.store import Claim, ClaimOutcome, JobStore, NewJob
 from tests.fault.servers import private_postgres
@@ -62,8 +64,7 @@ class CrashOutcome:
 
 def claim_like_runner(engine: Engine, store: JobStore, job_id: str, *, owner: str, task_id: str) -> Claim:
     """The runner's claim: one autocommit statement, else the full claim in a transaction."""
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        row = store.fast_claim(conn, job_id, owner=owner, task_id=task_id)
+    row = Lane(engine, SCHEMA).claim(job_id, owner=owner, task_id=task_id)
     if row is not None:
         return Claim(ClaimOutcome.RUN, row)
     with engine.begin() as conn:
@@ -89,14 +90,11 @@ def crash_between_claims(claim_function: str | None = None) -> CrashOutcome:
             job_id, _ = store.insert(conn, new)
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             conn.exec_driver_sql("CHECKPOINT")  # the job row is on disk; the WAL flushed
-        conn = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-        row = store.fast_claim(conn, job_id, owner=VANISHED_OWNER, task_id="before-crash")
+        row = Lane(engine, SCHEMA).claim(job_id, owner=VANISHED_OWNER, task_id="before-crash")
         assert row is not None and row["status"] == s.RUNNING
         first_attempt = int(row["attempts"])
         # Nothing else runs on this cluster: the very next thing it sees is the crash.
         server.stop("immediate")
-        conn.invalidate()
-        conn.close()
         engine.dispose()
         server.start()
 

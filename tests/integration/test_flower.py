@@ -167,15 +167,11 @@ def test_flower_is_read_only_behind_basic_auth_and_sees_a_real_job(
 
     _eventually(online, 30, f"Flower receiving events of {name}\n{_log(flower.log)}")
 
-    handle = platform.submit(STAGE, {"n": 4})
-    assert handle.wait(60) == "succeeded"
-    assert handle.result == {"n": 16}
-
-    # The task as Flower saw it through events. On a first publish the Celery task id is the
-    # job id; if the relay had to republish (the first message lost, or taken by a worker of
-    # another session sharing the test Redis DB), the row names the newer task id.
-    row = handle.row()
-    task_ids = [handle.id, row["celery_task_id"]]
+    # Workers send no task events of their own accord (CONVEYOR_TASK_EVENTS is off): Flower
+    # turns them on with an enable_events broadcast every few seconds. A job run before the
+    # first one reached this worker is not seen, so submit until one is, as a user who
+    # opened Flower would see the next jobs.
+    task_ids: list[str] = []
 
     def task_seen() -> dict[str, Any] | None:
         r = flower.get("/api/tasks")
@@ -183,15 +179,30 @@ def test_flower_is_read_only_behind_basic_auth_and_sees_a_real_job(
         tasks = r.json()
         return next((tasks[t] for t in task_ids if t in tasks and tasks[t].get("state") == "SUCCESS"), None)
 
+    def job_seen() -> dict[str, Any] | None:
+        handle = platform.submit(STAGE, {"n": 4})
+        assert handle.wait(60) == "succeeded"
+        assert handle.result == {"n": 16}
+        # On a first publish the Celery task id is the job id; if the relay had to republish
+        # (the first message lost, or taken by a worker of another session sharing the test
+        # Redis DB), the row names the newer task id.
+        task_ids.extend([handle.id, handle.row()["celery_task_id"]])
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            if (seen := task_seen()) is not None:
+                return seen
+            time.sleep(0.2)
+        return None
+
     try:
-        task = _eventually(task_seen, 30, f"a task of job {handle.id} SUCCESS in /api/tasks")
+        task = _eventually(job_seen, 40, "a submitted job's task SUCCESS in /api/tasks")
     except AssertionError as exc:
         seen = {
             k: (v.get("name"), v.get("state"), v.get("worker"))
             for k, v in flower.get("/api/tasks").json().items()
         }
         raise AssertionError(
-            f"{exc}\nflower saw {seen}\nrow {dict(row)}\n"
+            f"{exc}\nflower saw {seen}\ntask ids {task_ids}\n"
             f"worker log:\n{_log(tmp_path / 'worker.log')}\nflower log:\n{_log(flower.log)}"
         ) from None
     assert task["name"] == STAGE
@@ -210,7 +221,7 @@ def test_flower_is_read_only_behind_basic_auth_and_sees_a_real_job(
     assert r.status_code == 403 and READ_ONLY in r.text, (r.status_code, r.text[:500])
     r = flower.post(f"/api/worker/shutdown/{name}")
     assert r.status_code == 403 and READ_ONLY in r.text, (r.status_code, r.text[:500])
-    r = flower.post(f"/api/task/revoke/{handle.id}", data={"terminate": "true"})
+    r = flower.post(f"/api/task/revoke/{task['uuid']}", data={"terminate": "true"})
     assert r.status_code == 403 and READ_ONLY in r.text, (r.status_code, r.text[:500])
 
     # Nothing was shut down: the worker is still up and Flower still sees it alive.
