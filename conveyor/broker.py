@@ -19,6 +19,7 @@ from redis import Redis
 from conveyor import tracing
 from conveyor.db.schema import IGNORE_RESULT
 from conveyor.fastpath import FastPath
+from conveyor.wakeups import Wakeups
 
 JOB_HEADER = "conveyor_job_id"
 
@@ -56,6 +57,7 @@ class Broker:
         self._epoch_read = 0.0
         self._lock = threading.Lock()
         self._local = threading.local()
+        self.wakeups = Wakeups(redis)
 
     def submit_epoch(self, *, max_age: float = 1.0) -> str | None:
         """The epoch a job about to be inserted is published under, asking Redis only
@@ -230,8 +232,9 @@ class Broker:
         return task_id
 
     def notify(self, job_id: str, status: str) -> None:
-        """Wake anyone waiting on ``job_id`` (see :meth:`JobHandle.wait`)."""
-        self.redis.publish(self.wake_channel(job_id), status)
+        """Wake anyone waiting on ``job_id`` (see :meth:`JobHandle.wait`); a hint sent
+        without awaiting a reply (:mod:`conveyor.wakeups`)."""
+        self.wakeups.publish(self.wake_channel(job_id), status)
 
     def wake_channel(self, job_id: str) -> str:
         """The pub/sub channel announcing ``job_id``'s terminal state."""

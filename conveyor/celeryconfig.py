@@ -8,6 +8,7 @@ from typing import Any
 from kombu.entity import Exchange, Queue
 
 from conveyor.settings import ConveyorSettings
+from conveyor.transport import NAME as TRANSPORT
 
 JSON_ONLY = ["json"]
 PLACEHOLDER_BROKER = "redis://conveyor-not-configured.invalid:6379/0"
@@ -46,6 +47,8 @@ def celery_config(
       ``send_task``/canvases, and the chord counter. Jobs of ``submit()`` are published
       with Celery's ``ignore_result`` (their outcome is the job row, awaited through
       ``JobHandle.wait``), so they cost the backend nothing unless a chord counts them.
+    * ``redis://`` brokers go through :mod:`conveyor.transport` (kombu's, minus a client
+      object built per command).
     * Task events are off unless ``task_events`` is set: about 0.5 ms of CPU per job in the
       worker's consumer, and the task-sent event a Redis publish per submit. Worker
       heartbeat events stay on, and Flower sends ``enable_events`` to every worker it
@@ -59,7 +62,7 @@ def celery_config(
         # the mutex expires (300 s by default); keep that window short.
         "unacked_mutex_expire": max(10.0, min(300.0, settings.visibility_timeout / 4)),
     }
-    return {
+    config: dict[str, Any] = {
         "broker_url": broker,
         "result_backend": broker,
         "broker_transport_options": dict(transport),
@@ -107,3 +110,7 @@ def celery_config(
         "timezone": "UTC",
         "enable_utc": True,
     }
+    if broker.startswith("redis://"):
+        # Other schemes (rediss, redis+socket, sentinel) keep kombu's own transport.
+        config["broker_transport"] = TRANSPORT
+    return config

@@ -49,6 +49,9 @@ _INLINE = re.compile(
     re.IGNORECASE,
 )
 _BEARER = re.compile(r"\b(?P<word>bearer)\s+(?!\*\*\*)[A-Za-z0-9._~+/-]+=*", re.IGNORECASE)
+# A text none of the patterns can match skips them (most log lines): _INLINE needs a secret
+# word, _BEARER its word, _URL_PASSWORD and _EMAIL an "@".
+_MAYBE_SECRET = re.compile(rf"{_SECRET_WORD}|bearer", re.IGNORECASE)
 _EMAIL = re.compile(r"(?<![\w.%+-])[\w.%+-]+@(?P<domain>(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,})(?![\w-])")
 # Celery node names look like addresses (``worker1@host.example.com``); this host's are kept.
 _LOCAL_HOSTS = {socket.gethostname().lower()}
@@ -77,10 +80,13 @@ def is_secret_key(key: object) -> bool:
 def redact_text(text: str) -> str:
     """``text`` with URL passwords, ``key=secret`` pairs, bearer tokens and the local part
     of e-mail addresses replaced by ``***``."""
-    text = _URL_PASSWORD.sub(rf"\g<head>:{MASK}@", text)
-    text = _INLINE.sub(_mask_inline, text)
-    text = _BEARER.sub(lambda m: f"{m['word']} {MASK}", text)
-    return _EMAIL.sub(_mask_email, text)
+    at = "@" in text
+    if at:
+        text = _URL_PASSWORD.sub(rf"\g<head>:{MASK}@", text)
+    if _MAYBE_SECRET.search(text) is not None:
+        text = _INLINE.sub(_mask_inline, text)
+        text = _BEARER.sub(lambda m: f"{m['word']} {MASK}", text)
+    return _EMAIL.sub(_mask_email, text) if at else text
 
 
 def redact_value(value: Any, _depth: int = 0) -> Any:

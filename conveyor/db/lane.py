@@ -1,17 +1,23 @@
 """The hot path's two statements on Postgres, below SQLAlchemy's execution layer.
 
 Every job runs one claim and one completion. Through a SQLAlchemy ``Connection`` each cost
-about 0.3 ms of Python before and after its round trip (a connection object, an
-isolation-level switch and its reset, statement compilation lookups, result metadata);
-here each is a pooled psycopg connection in autocommit, a server-side prepared statement
-and a dict row, with the same pool, connect arguments and error classification
-(:func:`conveyor.errors.is_connection_loss` sees SQLAlchemy's own ``DBAPIError``).
+about 0.3 ms of Python around its round trip (a connection object, an isolation-level
+switch and its reset, statement compilation lookups, result metadata), and a pool checkout
+and return alone about 0.1 ms. Here each thread keeps one connection of the engine's pool
+(same connect arguments and events) in autocommit, with server-side prepared statements
+and dict rows; errors are classified as SQLAlchemy's (:func:`conveyor.errors.is_connection_loss`
+sees its ``DBAPIError``), and a lost connection is invalidated and replaced on the next
+call. A connection idle for ``PING_AFTER`` seconds is pinged first, as a pool's pre-ping
+would, so a server that dropped it meanwhile costs a reconnect, not a failed claim. With
+``db_pool_size=0`` (no pooling) nothing is kept: each call takes a connection of its own.
 Measured by ``bench/throughput.py`` (issue #16).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
+import time
 from typing import Any
 
 import psycopg
@@ -19,6 +25,9 @@ import sqlalchemy.exc
 from psycopg.rows import dict_row
 from psycopg.types.json import Json
 from sqlalchemy import Engine
+from sqlalchemy.pool import NullPool
+
+PING_AFTER = 30.0
 
 
 @functools.lru_cache(maxsize=8)
@@ -45,6 +54,8 @@ class Lane:
     def __init__(self, engine: Engine, schema: str) -> None:
         self.engine = engine
         self.claim_sql, self.succeed_sql = _statements(schema)
+        self._keep = not isinstance(engine.pool, NullPool)
+        self._local = threading.local()
 
     def claim(self, job_id: str, *, owner: str, task_id: str) -> dict[str, Any] | None:
         """The claim compare-and-set (``conveyor_claim``): the running row, or None."""
@@ -57,26 +68,61 @@ class Lane:
         params = {"id": job_id, "attempt": attempt, "result": Json(result), "event": Json({"stage": stage})}
         return bool(self._run(self.succeed_sql, params))
 
+    def close(self) -> None:
+        """Give this thread's kept connection back to the pool."""
+        fairy = getattr(self._local, "fairy", None)
+        self._local.fairy = None
+        if fairy is not None:
+            self._release(fairy)
+
     def _run(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
-        fairy = self.engine.raw_connection()
+        fairy = self._take()
+        conn: psycopg.Connection[Any] = fairy.driver_connection
         try:
-            conn: psycopg.Connection[Any] = fairy.driver_connection  # type: ignore[assignment]
+            with conn.cursor(row_factory=dict_row) as cur:
+                cur.execute(sql, params, prepare=True)
+                return cur.fetchall() if cur.description else []
+        except psycopg.Error as exc:
+            lost = conn.closed or self.engine.dialect.is_disconnect(exc, fairy, None)  # type: ignore[arg-type]
+            if lost:
+                self._local.fairy = None
+                fairy.invalidate(exc)
+                fairy.close()
+            raise sqlalchemy.exc.DBAPIError.instance(
+                sql, params, exc, psycopg.Error, connection_invalidated=bool(lost)
+            ) from exc
+        finally:
+            self._local.used = time.monotonic()
+            if not self._keep and self._local.fairy is fairy:
+                self._local.fairy = None
+                self._release(fairy)
+
+    def _take(self) -> Any:
+        fairy = getattr(self._local, "fairy", None)
+        if fairy is not None and time.monotonic() - self._local.used > PING_AFTER:
             try:
-                conn.autocommit = True
-                try:
-                    with conn.cursor(row_factory=dict_row) as cur:
-                        cur.execute(sql, params, prepare=True)
-                        return cur.fetchall() if cur.description else []
-                finally:
-                    if not conn.closed:
-                        conn.autocommit = False
+                fairy.driver_connection.execute("SELECT 1")
             except psycopg.Error as exc:
-                lost = conn.closed or self.engine.dialect.is_disconnect(exc, fairy, None)  # type: ignore[arg-type]
-                if lost:
-                    fairy.invalidate(exc)
-                raise sqlalchemy.exc.DBAPIError.instance(
-                    sql, params, exc, psycopg.Error, connection_invalidated=bool(lost)
-                ) from exc
+                self._local.fairy = None
+                fairy.invalidate(exc)
+                fairy.close()
+                fairy = None
+        if fairy is None:
+            fairy = self.engine.raw_connection()
+            try:
+                fairy.driver_connection.autocommit = True  # type: ignore[union-attr]
+            except BaseException:
+                fairy.close()
+                raise
+            self._local.fairy = fairy
+        return fairy
+
+    @staticmethod
+    def _release(fairy: Any) -> None:
+        conn = fairy.driver_connection
+        try:
+            if not conn.closed:
+                conn.autocommit = False  # the pool's other users expect transactions
         finally:
             fairy.close()
 

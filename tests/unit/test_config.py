@@ -41,7 +41,14 @@ def test_celery_config_is_pure_and_safe() -> None:
     assert conf["worker_prefetch_multiplier"] == 1 and conf["worker_disable_prefetch"]
     assert conf["broker_transport_options"]["visibility_timeout"] == 100
     assert conf["result_backend_transport_options"]["visibility_timeout"] == 100
-    assert conf["worker_send_task_events"] and conf["task_send_sent_event"]
+    # Task events cost ~0.5 ms per job: off unless asked for (Flower enables them itself).
+    assert not conf["worker_send_task_events"] and not conf["task_send_sent_event"]
+    events = celery_config(settings.model_copy(update={"task_events": True}), queues=QUEUES)
+    assert events["worker_send_task_events"] and events["task_send_sent_event"]
+    # redis:// goes through conveyor.transport; other schemes keep kombu's own.
+    assert conf["broker_transport"] == "conveyor.transport:Transport"
+    tls = celery_config(settings.model_copy(update={"redis_url": "rediss://h:1/2"}), queues=QUEUES)
+    assert "broker_transport" not in tls
     assert conf["worker_state_db"] is None and "Persistent" not in conf["beat_scheduler"]
     assert conf["task_create_missing_queues"] is False
 
