@@ -16,6 +16,7 @@ from sqlalchemy import Connection, update
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import database_clock
+from conveyor.db.lane import Lane
 from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.followers import Followers
@@ -63,6 +64,20 @@ class Recorder:
         if new.due_now and epoch is not None and new.status == s.QUEUED:
             new.published_epoch = epoch
         created = self.store.insert_submitted(conn, new)
+        if created:
+            self.metrics.inc("submitted", new.stage)
+        return created
+
+    def insert_on_lane(self, lane: Lane, new: NewJob, *, epoch: str | None) -> bool | None:
+        """:meth:`insert_job` as one prepared statement in autocommit (:mod:`conveyor.db.lane`);
+        None when ``new`` needs the full insert in a transaction."""
+        if new.due_now and epoch is not None and new.status == s.QUEUED:
+            new.published_epoch = epoch
+        params = self.store.submit_params(new)
+        if params is None:
+            new.published_epoch = None
+            return None
+        created = lane.submit(params)
         if created:
             self.metrics.inc("submitted", new.stage)
         return created

@@ -140,14 +140,23 @@ class JobStore(Claims):
 
     def insert_submitted(self, conn: Connection, job: NewJob) -> bool:
         """Insert ``job`` with its ``job.submitted`` event; False if it already existed."""
-        if job.trace_context is None:
-            job.trace_context = tracing.carrier()
-        if is_sqlite(conn) or job.status != s.QUEUED or job.run_at or job.expires_at:
+        params = None if is_sqlite(conn) else self.submit_params(job)
+        if params is None:
             created = self.insert(conn, job)[1]
             if created:
                 self.emit(conn, [new_event(job.id, "job.submitted", {"stage": job.stage})])
             return created
-        params = {
+        return conn.execute(pg_statements(conn).submit, params).first() is not None
+
+    def submit_params(self, job: NewJob) -> dict[str, Any] | None:
+        """The parameters of the one-statement submit on Postgres (the row and its
+        ``job.submitted`` event), or None when ``job`` needs :meth:`insert` (not queued, or
+        with an absolute ``run_at``/``expires_at``)."""
+        if job.trace_context is None:
+            job.trace_context = tracing.carrier()
+        if job.status != s.QUEUED or job.run_at or job.expires_at:
+            return None
+        return {
             "id": job.id,
             "stage": job.stage,
             "queue": job.queue,
@@ -170,7 +179,6 @@ class JobStore(Claims):
             "trace_context": job.trace_context,
             "event": {"stage": job.stage},
         }
-        return conn.execute(pg_statements(conn).submit, params).first() is not None
 
     def throttle(self, conn: Connection, job_id: str, *, wait: float, body: Mapping[str, Any]) -> bool:
         """Park a due, claimable job as ``throttled`` until ``run_at = now + wait``.

@@ -30,7 +30,6 @@ from sqlalchemy.orm import Session, scoped_session
 from conveyor import tracing
 from conveyor.connections import Connections
 from conveyor.db import schema as s
-from conveyor.db.dialect import is_sqlite
 from conveyor.db.namespace import use_schema
 from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
@@ -253,10 +252,20 @@ class Submitter:
                 # The caller's transaction: its framework commits or rolls back, never us.
                 conn = use_schema(session.connection(), connections.settings.db_schema)
                 job_id, created = recorder.record(conn, new, plan, now, epoch)
-            elif plan is None and not is_sqlite(connections.engine):
+            elif plan is None and (lane := connections.lane) is not None:
                 # The common submit is one statement (job row + outbox event): no transaction.
-                with connections.autocommit() as ac:
-                    job_id, created = recorder.record(ac, new, None, now, epoch)
+                inserted = recorder.insert_on_lane(lane, new, epoch=epoch)
+                if inserted is None:
+                    with connections.autocommit() as ac:
+                        job_id, created = recorder.record(ac, new, None, now, epoch)
+                elif inserted:
+                    job_id, created = new.id, True
+                else:
+                    with connections.engine.connect() as conn:
+                        found = self.store.find_existing(conn, new.id, new.idempotency_key)
+                    if found is None:  # lost a race with a rollback: as the insert path does
+                        raise RuntimeError("job insert conflicted but no existing row was found")
+                    job_id, created = found, False
             else:
                 with connections.engine.begin() as conn:
                     job_id, created = recorder.record(conn, new, plan, now, epoch)

@@ -1,6 +1,6 @@
-"""The hot path's two statements on Postgres, below SQLAlchemy's execution layer.
+"""The hot path's statements on Postgres, below SQLAlchemy's execution layer.
 
-Every job runs one claim and one completion. Through a SQLAlchemy ``Connection`` each cost
+Every job runs one submit, one claim and one completion. Through a SQLAlchemy ``Connection`` each cost
 about 0.3 ms of Python around its round trip (a connection object, an isolation-level
 switch and its reset, statement compilation lookups, result metadata), and a pool checkout
 and return alone about 0.1 ms. Here each thread keeps one connection of the engine's pool
@@ -31,8 +31,31 @@ PING_AFTER = 30.0
 
 
 @functools.lru_cache(maxsize=8)
-def _statements(schema: str) -> tuple[str, str]:
+def _statements(schema: str) -> tuple[str, str, str]:
     s = f'"{schema}".'
+    # conveyor.db.dialect's submit statement, with psycopg's placeholders.
+    submit = f"""
+    WITH j AS (
+      INSERT INTO {s}jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
+                        max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
+                        created_at, updated_at, celery_task_id, published_at, broker_epoch,
+                        dedup_key, dedup_seq, owner, trace_context)
+      VALUES (%(id)s, %(stage)s, %(queue)s, 'queued', %(priority)s, %(payload)s, %(label)s,
+              %(idempotency_key)s, 0, %(max_attempts)s,
+              clock_timestamp() + make_interval(secs => CAST(%(delay)s AS float8)),
+              CASE WHEN CAST(%(expires_in)s AS float8) IS NULL THEN NULL
+                   ELSE clock_timestamp() + make_interval(secs => CAST(%(expires_in)s AS float8)) END,
+              %(flow_id)s, %(parent_id)s, %(options)s, %(origin_task_id)s, clock_timestamp(),
+              clock_timestamp(), %(celery_task_id)s,
+              CASE WHEN CAST(%(broker_epoch)s AS text) IS NULL THEN NULL ELSE clock_timestamp() END,
+              %(broker_epoch)s, %(dedup_key)s, %(dedup_seq)s, %(owner)s, %(trace_context)s)
+      ON CONFLICT DO NOTHING
+      RETURNING id
+    )
+    INSERT INTO {s}job_events (job_id, topic, body, created_at)
+    SELECT id, 'job.submitted', %(event)s, clock_timestamp() FROM j
+    RETURNING job_id
+    """
     claim = f"SELECT * FROM {s}conveyor_claim(%(id)s, %(owner)s, %(task_id)s)"
     succeed = f"""
     WITH u AS (
@@ -45,17 +68,28 @@ def _statements(schema: str) -> tuple[str, str]:
     SELECT id, 'job.succeeded', %(event)s, clock_timestamp() FROM u
     RETURNING job_id
     """
-    return claim, succeed
+    return submit, claim, succeed
 
 
 class Lane:
-    """Claim and completion as single autocommit statements on one engine's pool."""
+    """Submit, claim and completion as single autocommit statements on one engine's pool."""
 
     def __init__(self, engine: Engine, schema: str) -> None:
         self.engine = engine
-        self.claim_sql, self.succeed_sql = _statements(schema)
+        self.submit_sql, self.claim_sql, self.succeed_sql = _statements(schema)
         self._keep = not isinstance(engine.pool, NullPool)
         self._local = threading.local()
+
+    def submit(self, params: dict[str, Any]) -> bool:
+        """The one-statement submit (:meth:`conveyor.store.JobStore.submit_params`): the job
+        row and its ``job.submitted`` event, committed; False if the id or idempotency key
+        exists."""
+        values = dict(params)
+        for name in ("payload", "options", "event"):
+            values[name] = Json(values[name])
+        if values.get("trace_context") is not None:
+            values["trace_context"] = Json(values["trace_context"])
+        return bool(self._run(self.submit_sql, values))
 
     def claim(self, job_id: str, *, owner: str, task_id: str) -> dict[str, Any] | None:
         """The claim compare-and-set (``conveyor_claim``): the running row, or None."""
@@ -108,7 +142,12 @@ class Lane:
                 fairy.close()
                 fairy = None
         if fairy is None:
-            fairy = self.engine.raw_connection()
+            try:
+                fairy = self.engine.raw_connection()
+            except psycopg.Error as exc:  # raw_connection() leaves connect errors unwrapped
+                raise sqlalchemy.exc.DBAPIError.instance(
+                    None, None, exc, psycopg.Error, connection_invalidated=True
+                ) from exc
             try:
                 fairy.driver_connection.autocommit = True  # type: ignore[union-attr]
             except BaseException:

@@ -216,3 +216,18 @@ def test_psycopg_is_the_lane_driver(platform: Any) -> None:
     assert lane.claim(str(uuid.uuid4()), owner="host:1:x", task_id="t") is None  # no such job
     assert isinstance(lane._local.fairy.driver_connection, psycopg.Connection)
     lane.close()
+
+
+def test_an_unreachable_server_is_an_outage_from_the_first_connect(platform: Any) -> None:
+    from tests.integration.http_support import free_port
+
+    engine = make_engine(
+        f"postgresql://postgres@127.0.0.1:{free_port()}/nothing", pool_size=2, connect_timeout=2
+    )
+    try:
+        lane = Lane(engine, platform.settings.db_schema)
+        with pytest.raises(DBAPIError) as caught:
+            lane.claim(str(uuid.uuid4()), owner="host:1:x", task_id="t")
+        assert is_connection_loss(caught.value)  # requeued uncounted, never the job's failure
+    finally:
+        engine.dispose()
