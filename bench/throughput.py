@@ -137,6 +137,7 @@ DRAIN_POLL = 0.02
 PIPELINE_POLL_CMDS = 3  # LLEN + HLEN + ZCARD, no MULTI/EXEC
 
 SIDES = ("default", "same_config", "tracked", "procrastinate")
+ENQUEUE_THREADS = (1, 4)  # one request thread, and a web app's four
 
 
 # -- the plain Celery sides: nothing from Conveyor's runtime -------------------------------
@@ -803,6 +804,27 @@ class Bench:
                 )
         return {side: median_drain([r for r in self.drains if r.side == side]) for side in sides}
 
+    # -- enqueue mode ------------------------------------------------------------------------
+
+    def run_enqueue(self, runs: int, sides: Sequence[str], threads: Sequence[int]) -> dict[str, float]:
+        """Enqueue ``n`` jobs per side with no worker, with 1 and with 4 threads, interleaved;
+        per ``<side>_<threads>t``, the median jobs/s. Each side's DB is emptied after."""
+        rates: dict[str, list[float]] = {}
+        for _ in range(runs):
+            for count in threads:
+                for name in sides:
+                    if name == "procrastinate":
+                        continue
+                    side = self.celery_side(name)
+                    side.redis.flushdb()
+                    start = time.perf_counter()
+                    fan_out(count, self.n, side.enqueue)
+                    rate = self.n / (time.perf_counter() - start)
+                    rates.setdefault(f"{name}_{count}t", []).append(rate)
+                    log(f"enqueue {name:12s} {count} thread(s): {rate:7.1f}/s")
+                    side.redis.flushdb()
+        return {key: statistics.median(values) for key, values in rates.items()}
+
 
 @dataclass
 class DrainFigures:
@@ -902,7 +924,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--enqueue-threads", type=int, default=1, help="enqueueing threads, drain mode (default 1)"
     )
-    parser.add_argument("--mode", choices=("all", "drain", "concurrent"), default="all")
+    parser.add_argument("--mode", choices=("all", "drain", "enqueue", "concurrent"), default="all")
     parser.add_argument(
         "--sides", default=",".join(SIDES), help=f"drain sides, comma-separated (default {','.join(SIDES)})"
     )
@@ -952,6 +974,41 @@ def print_drain(figures: dict[str, DrainFigures], configs: dict[str, str]) -> No
         print(f"cpu_ratio_vs_same_config={tracked.cpu_us_total / figures['same_config'].cpu_us_total:.3f}")
 
 
+def print_enqueue(rates: dict[str, float], fsync: float | None) -> None:
+    """The enqueue mode's ``name=value`` lines: jobs/s per side and thread count, the
+    tracked side's ratios, and the disk's flush rate the synchronous submit waits on."""
+    for key, rate in rates.items():
+        print(f"{key.rsplit('_', 1)[0]}_enqueue_per_s_{key.rsplit('_', 1)[1]}={rate:.1f}")
+    for count in ENQUEUE_THREADS:
+        tracked, same = rates.get(f"tracked_{count}t"), rates.get(f"same_config_{count}t")
+        if tracked and same:
+            print(f"enqueue_ratio_{count}t_vs_same_config={tracked / same:.3f}")
+    if fsync is not None:
+        print(f"pg_test_fsync_fdatasync_ops_per_s={fsync:.0f}")
+
+
+def fsync_rate() -> float | None:
+    """``pg_test_fsync``'s fdatasync rate (one 8 kB write per flush, Postgres's default
+    ``wal_sync_method`` on Linux) on the disk of the bench's temporary directory: the
+    ceiling of unbatched synchronous commits; None without the tool."""
+    import glob
+    import re
+    import tempfile
+
+    tools = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_test_fsync"))
+    if not tools:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [tools[-1], "-s", "1", "-f", str(Path(tmp) / "fsync.test")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
+    match = re.search(r"fdatasync\s+([\d.]+) ops/sec", out)
+    return float(match.group(1)) if match else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
     from redis import Redis
@@ -965,6 +1022,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench: Bench | None = None
     drain: dict[str, DrainFigures] = {}
     concurrent: tuple[float, float] | None = None
+    enqueue: dict[str, float] = {}
     configs = side_configs()
     try:
         platform = open_platform()
@@ -995,6 +1053,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default_redis.flushdb()
         if args.mode in ("all", "drain"):
             drain = bench.run_drain(args.runs, args.sides)
+        if args.mode in ("all", "enqueue"):
+            enqueue = bench.run_enqueue(args.runs, args.sides, ENQUEUE_THREADS)
         if args.mode in ("all", "concurrent"):
             services.redis.flushdb()
             raw_redis.flushdb()
@@ -1020,6 +1080,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         services.release()
     shutil.rmtree(home, ignore_errors=True)
     print_drain(drain, configs)
+    print_enqueue(enqueue, fsync_rate() if args.mode in ("all", "enqueue") and not args.smoke else None)
     if concurrent is not None:
         tracked, raw = concurrent
         print(f"tracked_jobs_per_s={tracked:.1f}")
