@@ -8,7 +8,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -244,71 +244,74 @@ class Broker:
         return task_id
 
     def publish_many(
-        self, jobs: Sequence[Outgoing], *, trace_context: Mapping[str, Any] | None = None
+        self,
+        jobs: Sequence[Outgoing],
+        *,
+        trace_context: Mapping[str, Any] | None = None,
+        ready: Callable[[], None] | None = None,
     ) -> None:
         """Send the messages of many fresh jobs through one pipelined Redis call.
 
         Each message is the one :meth:`publish` sends for a ``submit()`` job (no canvas
-        options), routed straight to its queue's list (the default exchange, as a direct
-        publisher does: no binding lookup per message) over this thread's short-timeout
-        connection, through kombu's publish batch: kombu writes the wire format the worker
-        consumes. Raises on any failure (some messages may have gone out): the caller
-        leaves the jobs to the relay.
+        options: the same headers, properties and body from ``create_task_message``),
+        routed straight to its queue's list (the default exchange, as a direct publisher
+        does: no binding lookup per message) over this thread's short-timeout connection,
+        through kombu's publish batch, so kombu writes the wire format the worker consumes.
+        Unlike :meth:`publish` it hands each message to ``Producer.publish`` itself, so
+        Celery's per-message ``before/after_task_publish`` signals are not sent (the
+        caller's one ``conveyor.submit_many`` span stands for them), unless task-sent
+        events are on (``CONVEYOR_TASK_EVENTS``): then Celery sends each message as
+        :meth:`publish` does, with its event. Raises on any failure (some messages may have
+        gone out): the caller leaves the jobs to the relay.
+
+        ``ready`` is called once every message is built and before any is sent: it may wait
+        (for the jobs' commit), and if it raises nothing is sent.
         """
         if not jobs:
             return
-        amqp = self.app.amqp
-        conf = self.app.conf
-        sent_event = conf.task_send_sent_event
-        oid = self.app.thread_oid
+        app = self.app
+        amqp = app.amqp
+        create = amqp.create_task_message
+        sent_event = bool(app.conf.task_send_sent_event)
+        oid = app.thread_oid
         traced = tracing.headers(trace_context)
-        queues: dict[str, Queue] = {}
+        serializer = app.conf.task_serializer
+        delivery_mode = app.conf.task_default_delivery_mode
         with tracing.attached(trace_context):
             try:
                 producer = self._fast_connection().Producer()
+                publish = producer.publish
                 with producer.batch(max_size=len(jobs) + 1):
                     for job in jobs:
-                        queue = queues.get(job.queue)
-                        if queue is None:
-                            exchange = Exchange("")  # type: ignore[no-untyped-call]
-                            queue = Queue(job.queue, exchange, routing_key=job.queue)  # type: ignore[no-untyped-call]
-                            queues[job.queue] = queue
-                        headers = {JOB_HEADER: job.job_id, **traced}
-                        message = amqp.create_task_message(
-                            job.task_id,
-                            job.stage,
-                            (),
-                            dict(job.payload),
-                            None,
-                            None,
-                            None,
-                            None,
-                            None,
-                            0,
-                            None,
-                            None,
-                            None,
-                            oid,
-                            None,
-                            None,
-                            sent_event,
-                            None,
-                            None,
-                            None,
-                            None,
+                        headers, properties, body, event = create(
+                            job.task_id, job.stage, (), job.payload,
+                            None, None, None, None, None, 0, None, None, None,
+                            oid, None, None, sent_event, None, None, None, None,
                             ignore_result=job.ignore_result,
-                            queue=queue,
-                            headers=headers,
-                        )
-                        amqp.send_task_message(
-                            producer,
-                            job.stage,
-                            message,
-                            retry=False,
-                            queue=queue,
+                        )  # fmt: skip
+                        headers[JOB_HEADER] = job.job_id
+                        if traced:
+                            headers.update(traced)
+                        if sent_event:
+                            queue = Queue(job.queue, Exchange(""), routing_key=job.queue)  # type: ignore[no-untyped-call]
+                            message = (headers, properties, body, event)
+                            amqp.send_task_message(
+                                producer, job.stage, message, retry=False, queue=queue, declare=[]
+                            )
+                            continue
+                        publish(
+                            body,
+                            exchange="",
+                            routing_key=job.queue,
+                            serializer=serializer,
+                            delivery_mode=delivery_mode,
                             declare=[],
+                            retry=False,
                             headers=headers,
+                            **properties,
                         )
+                    if ready is not None:
+                        ready()
             except Exception:
                 self.drop_fast_connection()
                 raise
