@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -77,6 +77,16 @@ def batches(items: Sequence[int], size: int) -> Iterator[Sequence[int]]:
         yield items[start : start + size]
 
 
+@dataclass
+class _Prepared:
+    """A batch stamped for its insert; ``future`` is its commit when it runs on the helper."""
+
+    items: Sequence[BulkItem]
+    news: list[NewJob]
+    sent: list[NewJob]
+    future: Future[tuple[set[str], dict[str, str]]] | None
+
+
 class Enqueuer(Protocol):
     """What :class:`BulkSubmit` uses of a :class:`conveyor.submit.Submitter`."""
 
@@ -109,6 +119,7 @@ class BulkSubmit:
         self.submitter = submitter
         self.connections = submitter.connections
         self._pool: ThreadPoolExecutor | None = None
+        self._ahead: _Prepared | None = None  # the next batch, its commit under way
 
     def run(self, items: Sequence[BulkItem], *, batch_size: int = DEFAULT_BATCH_SIZE) -> list[JobHandle]:
         """Record ``items`` (see the module's docstring); their handles in the same order.
@@ -139,9 +150,11 @@ class BulkSubmit:
             carrier = tracing.carrier()
             done = 0
             try:
-                for chunk in batches(plain, batch_size):
-                    chunk_items = [items[i] for i in chunk]
-                    for i, handle in zip(chunk, self._batch(chunk_items, carrier), strict=True):
+                chunks = list(batches(plain, batch_size))
+                groups = [[items[i] for i in chunk] for chunk in chunks]
+                for k, chunk in enumerate(chunks):
+                    upcoming = groups[k + 1] if k + 1 < len(groups) else None
+                    for i, handle in zip(chunk, self._batch(groups[k], carrier, upcoming), strict=True):
                         handles[i] = handle
                     done += len(chunk)
             except (DBAPIError, PoolTimeout) as exc:
@@ -151,6 +164,7 @@ class BulkSubmit:
                     "while committing): retry with the same idempotency keys"
                 ) from exc
             finally:
+                self._ahead = None
                 if self._pool is not None:
                     self._pool.shutdown()
                     self._pool = None
@@ -162,33 +176,28 @@ class BulkSubmit:
             handles[i] = self.submitter.handle(held.id, deduplicated=True)
         return [h for h in handles if h is not None]
 
-    def _batch(self, items: Sequence[BulkItem], carrier: dict[str, str] | None) -> list[JobHandle]:
+    def _batch(
+        self, items: Sequence[BulkItem], carrier: dict[str, str] | None, upcoming: Sequence[BulkItem] | None
+    ) -> list[JobHandle]:
         """Insert one batch in one transaction, then publish what it created.
 
         When no job of the batch can conflict (no idempotency key: ids are fresh UUIDs) on
         Postgres, the commit runs on a helper thread while this one builds the messages;
-        they are sent only once it committed, and not at all if it failed.
+        they are sent only once it committed, and not at all if it failed. As soon as it
+        committed, the ``upcoming`` batch's commit starts on the helper, while this one's
+        messages are sent.
         """
-        connections = self.connections
-        due = [it.new for it in items if it.new.due_now and it.new.status == s.QUEUED]
-        epoch = connections.broker.submit_epoch() if due else None
-        for it in items:
-            it.new.trace_context = carrier
-            if epoch is not None and it.new.due_now and it.new.status == s.QUEUED:
-                it.new.published_epoch = epoch
-        news = [it.new for it in items]
-        sent = [n for n in due if n.published_epoch is not None]
-        overlap = (
-            bool(sent)
-            and not connections.fast.down
-            and not is_sqlite(connections.engine)
-            and all(n.idempotency_key is None for n in news)
-        )
-        if overlap:
-            future = self._helper().submit(self._commit, news)
+        ahead = self._ahead
+        if ahead is not None and ahead.items is items:
+            self._ahead = None
+        else:
+            ahead = self._prepare(items, carrier)
+        news, sent, future = ahead.news, ahead.sent, ahead.future
+        if future is not None:
 
             def committed() -> None:
                 future.result()  # raises the database's error
+                self._start(upcoming, carrier)
 
             self._publish(sent, carrier, committed=committed)
             created, existing = future.result()
@@ -208,6 +217,32 @@ class BulkSubmit:
             else:
                 handles.append(self.submitter.handle(existing[n.id], deduplicated=True))
         return handles
+
+    def _prepare(self, items: Sequence[BulkItem], carrier: dict[str, str] | None) -> _Prepared:
+        """Stamp a batch's jobs (trace, and the epoch they are published under if due now)
+        and, when it cannot conflict on Postgres, start its commit on the helper thread."""
+        connections = self.connections
+        due = [it.new for it in items if it.new.due_now and it.new.status == s.QUEUED]
+        epoch = connections.broker.submit_epoch() if due else None
+        for it in items:
+            it.new.trace_context = carrier
+            if epoch is not None and it.new.due_now and it.new.status == s.QUEUED:
+                it.new.published_epoch = epoch
+        news = [it.new for it in items]
+        sent = [n for n in due if n.published_epoch is not None]
+        overlap = (
+            bool(sent)
+            and not connections.fast.down
+            and not is_sqlite(connections.engine)
+            and all(n.idempotency_key is None for n in news)
+        )
+        future = self._helper().submit(self._commit, news) if overlap else None
+        return _Prepared(items, news, sent, future)
+
+    def _start(self, upcoming: Sequence[BulkItem] | None, carrier: dict[str, str] | None) -> None:
+        """Prepare the next batch (its commit starts if it can) unless done already."""
+        if upcoming is not None and self._ahead is None:
+            self._ahead = self._prepare(upcoming, carrier)
 
     def _helper(self) -> ThreadPoolExecutor:
         """The thread that commits a batch while its messages are built (one per call)."""

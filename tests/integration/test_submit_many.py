@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.exc import DBAPIError
 
 import conveyor
 from conveyor import registry
@@ -253,3 +254,39 @@ def test_on_sqlite(on_sqlite: Any, tag: str) -> None:
     assert len(rows) == 20 and events == 20
     # (The module's worker shares the platform, so it may be running them already.)
     assert all(r["options"] == {s.IGNORE_RESULT: True} for r in rows)
+
+
+def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
+    platform: Any, worker: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kombu.transport.redis
+
+    import conveyor.bulk
+    from conveyor.errors import SubmitFailed
+
+    real_insert, calls = conveyor.bulk.insert_batch, []
+
+    def insert_then_fail(conn: Any, store: Any, news: Any) -> set[str]:
+        calls.append(len(news))
+        if len(calls) == 2:  # the second batch's commit fails
+            raise DBAPIError("INSERT", {}, RuntimeError("the database went away"))
+        return real_insert(conn, store, news)
+
+    flushed: list[int] = []
+    real_flush = kombu.transport.redis.PublishBatch.flush
+
+    def counting_flush(self: Any) -> None:
+        flushed.append(self._buffered)
+        real_flush(self)
+
+    monkeypatch.setattr(conveyor.bulk, "insert_batch", insert_then_fail)
+    monkeypatch.setattr(kombu.transport.redis.PublishBatch, "flush", counting_flush)
+    with pytest.raises(SubmitFailed, match=r"10 of 30 were recorded"):
+        platform.submit_many(
+            "conveyor.demo.effect", [{"note": f"{tag}-{i}"} for i in range(30)], batch_size=10
+        )
+    monkeypatch.undo()
+    assert calls == [10, 10]  # the third batch never started
+    assert [n for n in flushed if n] == [10]  # only the committed batch was sent
+    eventually(lambda: sum(effect_count(platform, note=f"{tag}-{i}") for i in range(30)) == 10, timeout=60)
+    assert all(effect_count(platform, note=f"{tag}-{i}") == (1 if i < 10 else 0) for i in range(30))
