@@ -14,14 +14,20 @@ may be shared). Procrastinate runs once, last:
 * ``raw_kombu``: the same messages (Celery protocol 2 built by ``app.amqp.
   create_task_message``, same task name, ``conveyor_job_id`` header, same queue) sent with
   kombu's ``Producer.publish`` inside ``Producer.batch()``: one Redis pipeline per batch,
-  no database. Checked: the queue holds N messages.
+  no database. Checked: the queue holds N messages. It lets Celery write the
+  ``kwargsrepr`` header with ``saferepr`` (as any Celery publisher does); the bulk side
+  writes the same text with ``repr`` where the two agree (:func:`conveyor.broker.
+  quick_kwargsrepr`), about 5 us per message less.
 * ``procrastinate`` (when installed: ``pip install -e '.[bench]'``): ``batch_defer`` of N
   jobs (same batches) through its synchronous psycopg connector into its own database.
 
 Each side gets one untimed warm-up batch first (connections, prepared statements), then its
 queue or tables are emptied. Printed: ``bulk_submit_per_s``, ``raw_kombu_publish_per_s``,
 ``bulk_ratio_vs_raw_kombu``, ``procrastinate_batch_defer_per_s`` and a ``*_config`` line per
-side; ``n``, ``batch_size`` and ``runs``.
+side; ``<side>_cpu_us_per_job`` with its split by process group (``_client``: this
+process, all threads; ``_postgres``: the backends of the side's database; ``_redis``: the
+server, shared: other clients count too), medians of the runs, from ``/proc``; ``n``,
+``batch_size`` and ``runs``.
 
 Usage::
 
@@ -36,18 +42,28 @@ stdout carries only ``name=value`` lines.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import celery
 import kombu
 from sqlalchemy import func, select
 
-from bench.common import ROOT, BenchError, add_service_args, log, open_platform, prepare, recreate_database
+from bench.common import (
+    ROOT,
+    BenchError,
+    CpuMeter,
+    add_service_args,
+    log,
+    open_platform,
+    prepare,
+    recreate_database,
+)
 
 if TYPE_CHECKING:
     from conveyor.platform import Platform
@@ -78,8 +94,8 @@ def side_configs(batch_size: int) -> dict[str, str]:
     configs = {
         "bulk": f"conveyor platform.submit_many({STAGE}), batch_size={batch_size}: validate, per "
         "batch one json_to_recordset INSERT (rows + job.submitted events) committed synchronously "
-        "on a helper thread while the messages are built, sent once committed through one kombu "
-        "publish batch (Redis pipeline)",
+        "on a helper thread while the messages are built (kwargsrepr by repr where it equals "
+        "saferepr), sent once committed through one kombu publish batch (Redis pipeline)",
         "raw_kombu": f"kombu {kombu.__version__} Producer.publish in Producer.batch(), batches of "
         f"{batch_size}, celery {celery.__version__} protocol-2 messages from app.amqp."
         "create_task_message, same task name, headers and queue, no database",
@@ -134,8 +150,9 @@ def raw_publish(platform: Platform, n: int, batch_size: int, offset: int = 0) ->
         return time.perf_counter() - start
 
 
-def run_procrastinate(pg: str, n: int, batch_size: int) -> float:
-    """``batch_defer`` of ``n`` jobs into Procrastinate's own database; seconds taken."""
+def run_procrastinate(pg: str, n: int, batch_size: int, meter: Meter) -> tuple[float, dict[str, float]]:
+    """``batch_defer`` of ``n`` jobs into Procrastinate's own database; seconds taken and
+    CPU used."""
     dsn = f"{pg.rstrip('/')}/{PROCRASTINATE_DATABASE}"
     recreate_database(pg, PROCRASTINATE_DATABASE)
     app = procrastinate.App(connector=procrastinate.SyncPsycopgConnector(conninfo=dsn))
@@ -150,12 +167,16 @@ def run_procrastinate(pg: str, n: int, batch_size: int) -> float:
         deferrer.batch_defer(*payloads(min(WARMUP, n)))
         count(dsn, "DELETE FROM procrastinate_jobs")
         items = payloads(n)
-        start = time.perf_counter()
-        for i in range(0, n, batch_size):
-            deferrer.batch_defer(*items[i : i + batch_size])
-        seconds = time.perf_counter() - start
+
+        def timed() -> float:
+            start = time.perf_counter()
+            for i in range(0, n, batch_size):
+                deferrer.batch_defer(*items[i : i + batch_size])
+            return time.perf_counter() - start
+
+        seconds, used = meter.run(PROCRASTINATE_DATABASE, timed)
     expect("procrastinate: job rows", count(dsn, "SELECT count(*) FROM procrastinate_jobs"), n)
-    return seconds
+    return seconds, used
 
 
 def count(dsn: str, sql: str) -> int:
@@ -166,6 +187,55 @@ def count(dsn: str, sql: str) -> int:
         cur = conn.execute(sql)
         row = cur.fetchone() if cur.description else None
         return int(row[0]) if row else cur.rowcount
+
+
+# -- CPU ------------------------------------------------------------------------------------
+
+GROUPS = ("client", "postgres", "redis")
+
+
+class Meter:
+    """CPU per process group over one side's run: this process (the client, all its
+    threads), the Postgres backends of the side's database and the Redis server."""
+
+    def __init__(self, pg: str, redis_pid: int) -> None:
+        import psycopg
+
+        self.conn = psycopg.connect(f"{pg.rstrip('/')}/postgres", autocommit=True)
+        self.redis_pid = redis_pid
+
+    def backends(self, database: str) -> list[int]:
+        """Pids of the backends connected to ``database`` (not this meter's own)."""
+        rows = self.conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s", (database,))
+        return [int(r[0]) for r in rows]
+
+    def run(self, database: str, fn: Callable[[], float]) -> tuple[float, dict[str, float]]:
+        """``fn()``'s result and the CPU seconds each group used meanwhile."""
+        meter = CpuMeter(
+            {
+                "client": lambda: [os.getpid()],
+                "postgres": lambda: self.backends(database),
+                "redis": lambda: [self.redis_pid],
+            }
+        )
+        meter.start()
+        try:
+            result = fn()
+        finally:
+            used = meter.stop()
+        return result, used
+
+    def close(self) -> None:
+        """Close the meter's connection."""
+        self.conn.close()
+
+
+def cpu_lines(side: str, runs: Sequence[dict[str, float]], n: int) -> list[str]:
+    """``<side>_cpu_us_per_job`` (all groups) and one line per group, medians of the runs."""
+    per_group = {g: statistics.median(r[g] for r in runs) * 1e6 / n for g in GROUPS}
+    lines = [f"{side}_cpu_us_per_job={sum(per_group.values()):.1f}"]
+    lines += [f"{side}_cpu_us_per_job_{g}={v:.1f}" for g, v in per_group.items()]
+    return lines
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -222,45 +292,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     services = prepare(args, prefix="conveyor-bench-bulk-")
     configs = side_configs(args.batch_size)
     figures: dict[str, float] = {}
+    cpu: dict[str, list[dict[str, float]]] = {side: [] for side in configs}
     platform: Platform | None = None
+    meter = Meter(args.pg, int(services.redis.info("server")["process_id"]))
     try:
         platform = open_platform()
-        log(f"bulk: n={args.n} batch_size={args.batch_size} redis={services.redis_url}")
+        log(f"bulk: n={args.n} batch_size={args.batch_size} runs={args.runs} redis={services.redis_url}")
         log(f"  db={services.database_url} home={services.home}")
         for side, config in configs.items():
             log(f"  {side}: {config}")
-        n, size = args.n, args.batch_size
-        raw_publish(platform, min(WARMUP, n), size)
-        run_bulk(platform, min(WARMUP, n), size)
-        empty(platform)
+        n, size, bench = args.n, args.batch_size, platform
+        raw_publish(bench, min(WARMUP, n), size)
+        run_bulk(bench, min(WARMUP, n), size)
+        empty(bench)
         raw_runs: list[float] = []
         bulk_runs: list[float] = []
         for run in range(args.runs):
-            seconds = raw_publish(platform, n, size)
-            expect("raw_kombu: messages in the queue", queued_messages(platform), n)
+            seconds, used = meter.run(args.database, lambda: raw_publish(bench, n, size))
+            expect("raw_kombu: messages in the queue", queued_messages(bench), n)
             raw_runs.append(n / seconds)
+            cpu["raw_kombu"].append(used)
             log(f"  run {run + 1}: raw_kombu {n} messages in {seconds:.2f}s ({n / seconds:.0f}/s)")
-            empty(platform)
+            empty(bench)
 
-            seconds = run_bulk(platform, n, size)
-            expect("bulk: messages in the queue", queued_messages(platform), n)
-            expect("bulk: job rows", job_rows(platform), n)
+            seconds, used = meter.run(args.database, lambda: run_bulk(bench, n, size))
+            expect("bulk: messages in the queue", queued_messages(bench), n)
+            expect("bulk: job rows", job_rows(bench), n)
             bulk_runs.append(n / seconds)
+            cpu["bulk"].append(used)
             log(f"  run {run + 1}: bulk {n} jobs in {seconds:.2f}s ({n / seconds:.0f}/s)")
-            empty(platform)
+            empty(bench)
         figures["raw_kombu_publish_per_s"] = statistics.median(raw_runs)
         figures["bulk_submit_per_s"] = statistics.median(bulk_runs)
         # Each run's own ratio (the two sides ran back to back), the median of them.
         figures["ratio"] = statistics.median(b / r for b, r in zip(bulk_runs, raw_runs, strict=True))
 
         if procrastinate is not None:
-            seconds = run_procrastinate(args.pg, n, size)
+            seconds, used = run_procrastinate(args.pg, n, size, meter)
             figures["procrastinate_batch_defer_per_s"] = n / seconds
+            cpu["procrastinate"].append(used)
             log(f"  procrastinate: {n} jobs in {seconds:.2f}s ({n / seconds:.0f}/s)")
     except BenchError as exc:
         log(f"benchmark failed: {exc}")
         return 1
     finally:
+        meter.close()
         if platform is not None:
             platform.reset()
         recreate_database(args.pg, PROCRASTINATE_DATABASE, create=False)
@@ -274,6 +350,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bulk_ratio_vs_raw_kombu={figures['ratio']:.3f}")
     if "procrastinate_batch_defer_per_s" in figures:
         print(f"procrastinate_batch_defer_per_s={figures['procrastinate_batch_defer_per_s']:.1f}")
+    for side, runs in cpu.items():
+        if runs:
+            print("\n".join(cpu_lines(side, runs, args.n)))
     print(f"n={args.n}")
     print(f"batch_size={args.batch_size}")
     print(f"runs={args.runs}")

@@ -257,7 +257,8 @@ class Broker:
         routed straight to its queue's list (the default exchange, as a direct publisher
         does: no binding lookup per message) over this thread's short-timeout connection,
         through kombu's publish batch, so kombu writes the wire format the worker consumes.
-        Unlike :meth:`publish` it hands each message to ``Producer.publish`` itself, so
+        The ``kwargsrepr`` header is written by :func:`quick_kwargsrepr` where it can (the
+        same text). Unlike :meth:`publish` it hands each message to ``Producer.publish``, so
         Celery's per-message ``before/after_task_publish`` signals are not sent (the
         caller's one ``conveyor.submit_many`` span stands for them), unless task-sent
         events are on (``CONVEYOR_TASK_EVENTS``): then Celery sends each message as
@@ -276,6 +277,7 @@ class Broker:
         oid = app.thread_oid
         traced = tracing.headers(trace_context)
         serializer = app.conf.task_serializer
+        maxsize, maxlevels = amqp.kwargsrepr_maxsize, int(app.conf.task_repr_maxlevels)
         delivery_mode = app.conf.task_default_delivery_mode
         with tracing.attached(trace_context):
             try:
@@ -288,6 +290,8 @@ class Broker:
                             None, None, None, None, None, 0, None, None, None,
                             oid, None, None, sent_event, None, None, None, None,
                             ignore_result=job.ignore_result,
+                            argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
+                            kwargsrepr=quick_kwargsrepr(job.payload, maxsize, maxlevels),
                         )  # fmt: skip
                         headers[JOB_HEADER] = job.job_id
                         if traced:
@@ -323,6 +327,44 @@ class Broker:
     def wake_channel(self, job_id: str) -> str:
         """The pub/sub channel announcing ``job_id``'s terminal state."""
         return f"{self.key_prefix}done:{job_id}"
+
+
+_PLAIN_CHARS = frozenset(
+    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.:/@#$%^&*()[]{}<>,;!?=+~`|"
+)
+
+
+def _plain(value: Any) -> bool:
+    """A scalar that ``repr`` writes as Celery's ``saferepr`` does (no escapes, no quotes)."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return True
+    return isinstance(value, str) and _PLAIN_CHARS.issuperset(value)
+
+
+def quick_kwargsrepr(payload: Mapping[str, Any], maxsize: int, maxlevels: int) -> str | None:
+    """``saferepr(payload, maxsize, maxlevels)`` (the message's ``kwargsrepr`` header) by
+    plain ``repr``, about 25 times faster, for the payloads where both write the same text:
+    a dict of plain scalars and of lists or dicts of plain scalars, well within ``maxsize``.
+    None for any other payload: Celery computes it (tests/unit/test_quick_repr.py)."""
+    if maxlevels < 3 or not isinstance(payload, dict):
+        return None
+    for key, value in payload.items():
+        if not (isinstance(key, str) and _PLAIN_CHARS.issuperset(key)):
+            return None
+        if _plain(value):
+            continue
+        if isinstance(value, list):
+            if not all(_plain(v) for v in value):
+                return None
+        elif isinstance(value, dict):
+            if not all(
+                isinstance(k, str) and _PLAIN_CHARS.issuperset(k) and _plain(v) for k, v in value.items()
+            ):
+                return None
+        else:
+            return None
+    text = repr(payload)
+    return text if len(text) <= maxsize // 2 else None
 
 
 def _as_list(value: Any) -> list[Any] | None:

@@ -236,7 +236,7 @@ class BulkSubmit:
             and not is_sqlite(connections.engine)
             and all(n.idempotency_key is None for n in news)
         )
-        future = self._helper().submit(self._commit, news) if overlap else None
+        future = self._helper().submit(self._commit, news, batch_rows(news)) if overlap else None
         return _Prepared(items, news, sent, future)
 
     def _start(self, upcoming: Sequence[BulkItem] | None, carrier: dict[str, str] | None) -> None:
@@ -250,7 +250,7 @@ class BulkSubmit:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="conveyor-bulk")
         return self._pool
 
-    def _commit(self, news: Sequence[NewJob]) -> tuple[set[str], dict[str, str]]:
+    def _commit(self, news: Sequence[NewJob], rows: Rows | None = None) -> tuple[set[str], dict[str, str]]:
         """Insert ``news`` in one transaction: the ids created, and for the others the id
         of the job holding their idempotency key."""
         with self.connections.engine.begin() as conn:
@@ -258,7 +258,7 @@ class BulkSubmit:
                 store = self.submitter.recorder.store
                 created = {n.id for n in news if store.insert_submitted(conn, n)}
             else:
-                created = insert_batch(conn, self.submitter.recorder.store, news)
+                created = insert_batch(conn, self.submitter.recorder.store, rows or batch_rows(news))
             return created, _existing(conn, [n for n in news if n.id not in created])
 
     def _publish(
@@ -323,57 +323,80 @@ def _existing(conn: Connection, news: Sequence[NewJob]) -> dict[str, str]:
     return out
 
 
-def insert_batch(conn: Connection, store: JobStore, news: Sequence[NewJob]) -> set[str]:
-    """Insert jobs and their ``job.submitted`` events: the queued ones with no absolute
-    time in one Postgres statement, any other one by ``store``; returns the ids inserted
-    (a conflicting id or idempotency key inserts nothing)."""
-    rows: list[NewJob] = []
-    created: set[str] = set()
+@dataclass
+class Rows:
+    """A batch as it is inserted: one JSON document of its queued jobs with no absolute
+    time (None: there are none), and its other jobs (never made by ``submit_many``)."""
+
+    document: str | None
+    others: list[NewJob]
+    count: int
+    fresh: list[str] | None = None  # the document's ids when none can conflict
+
+
+def batch_rows(news: Sequence[NewJob]) -> Rows:
+    """``news`` as :func:`insert_batch` takes them. One JSON document (the C encoder)
+    rather than one array per column (psycopg dumps those element by element in Python),
+    made by the caller's thread, not the one that commits."""
+    records: list[dict[str, Any]] = []
+    others: list[NewJob] = []
     for n in news:
-        if n.status == s.QUEUED and n.run_at is None and n.expires_at is None:
-            rows.append(n)
-        elif store.insert_submitted(conn, n):  # never made by submit_many; kept correct
-            created.add(n.id)
-    if not rows:
+        if n.status != s.QUEUED or n.run_at is not None or n.expires_at is not None:
+            others.append(n)
+            continue
+        records.append(
+            {
+                "id": n.id,
+                "stage": n.stage,
+                "queue": n.queue,
+                "priority": n.priority,
+                "payload": n.payload,
+                "label": n.label,
+                "idempotency_key": n.idempotency_key,
+                "max_attempts": n.max_attempts,
+                "delay": n.delay if n.delay > 0 else None,
+                "expires_in": n.expires_in,
+                "flow_id": n.flow_id or n.id,
+                "parent_id": n.parent_id,
+                "options": n.options,
+                "origin_task_id": n.origin_task_id,
+                "epoch": n.published_epoch,
+                "owner": n.owner,
+                "trace": n.trace_context,
+            }
+        )
+    fresh = [str(r["id"]) for r in records] if all(r["idempotency_key"] is None for r in records) else None
+    return Rows(_dumps(records) if records else None, others, len(news), fresh)
+
+
+def insert_batch(conn: Connection, store: JobStore, rows: Rows) -> set[str]:
+    """Insert a batch's jobs and their ``job.submitted`` events (the document's in one
+    Postgres statement, any other one by ``store``); returns the ids inserted (a
+    conflicting id or idempotency key inserts nothing)."""
+    created = {n.id for n in rows.others if store.insert_submitted(conn, n)}
+    if rows.document is None:
         return created
-    records = [
-        {
-            "id": n.id,
-            "stage": n.stage,
-            "queue": n.queue,
-            "priority": n.priority,
-            "payload": n.payload,
-            "label": n.label,
-            "idempotency_key": n.idempotency_key,
-            "max_attempts": n.max_attempts,
-            "delay": n.delay if n.delay > 0 else None,
-            "expires_in": n.expires_in,
-            "flow_id": n.flow_id or n.id,
-            "parent_id": n.parent_id,
-            "options": n.options,
-            "origin_task_id": n.origin_task_id,
-            "epoch": n.published_epoch,
-            "owner": n.owner,
-            "trace": n.trace_context,
-        }
-        for n in rows
-    ]
-    # One JSON document (the C encoder) rather than one array per column (psycopg
-    # dumps those element by element in Python): the batch costs about a third.
-    result = conn.execute(_statement(schema_of(conn)), {"rows": _dumps(records)})
-    created |= {str(r[0]) for r in result}
-    return created
+    statement = _statement(schema_of(conn), rows.fresh is not None)
+    result = conn.execute(statement, {"rows": rows.document})
+    if rows.fresh is None:
+        return created | {str(r[0]) for r in result}
+    inserted = int(result.scalar_one())
+    if inserted != len(rows.fresh):  # a fresh UUID taken: never; the caller retries the call
+        raise RuntimeError(f"{len(rows.fresh) - inserted} fresh job id(s) conflicted")
+    return created | set(rows.fresh)
 
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
-_STATEMENTS: dict[str, Any] = {}
+_STATEMENTS: dict[tuple[str, bool], Any] = {}
 
 
-def _statement(schema: str) -> Any:
-    """The batch insert, qualified with Conveyor's schema (cached per schema)."""
-    stmt = _STATEMENTS.get(schema)
+def _statement(schema: str, counted: bool) -> Any:
+    """The batch insert, qualified with Conveyor's schema (cached). It returns the ids
+    inserted, or with ``counted`` only how many (no row can conflict: every id is fresh
+    and no job has an idempotency key; both sides skip a thousand-row result)."""
+    stmt = _STATEMENTS.get((schema, counted))
     if stmt is not None:
         return stmt
     q = f'"{schema}".'
@@ -402,13 +425,15 @@ def _statement(schema: str) -> Any:
       FROM src
       ON CONFLICT DO NOTHING
       RETURNING id, stage
-    )
+    ){"," if counted else ""}
+    {"e AS (" if counted else ""}
     INSERT INTO {q}job_events (job_id, topic, body, created_at)
     SELECT id, 'job.submitted', json_build_object('stage', stage), clock_timestamp() FROM j
     RETURNING job_id
+    {") SELECT count(*) FROM e" if counted else ""}
     """
     )
-    _STATEMENTS[schema] = stmt
+    _STATEMENTS[(schema, counted)] = stmt
     return stmt
 
 
@@ -417,6 +442,8 @@ __all__ = [
     "BulkItem",
     "BulkSubmit",
     "Enqueuer",
+    "Rows",
+    "batch_rows",
     "check_keys",
     "indexed_invalid",
     "insert_batch",

@@ -266,11 +266,11 @@ def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
 
     real_insert, calls = conveyor.bulk.insert_batch, []
 
-    def insert_then_fail(conn: Any, store: Any, news: Any) -> set[str]:
-        calls.append(len(news))
+    def insert_then_fail(conn: Any, store: Any, rows: Any) -> set[str]:
+        calls.append(rows.count)
         if len(calls) == 2:  # the second batch's commit fails
             raise DBAPIError("INSERT", {}, RuntimeError("the database went away"))
-        return real_insert(conn, store, news)
+        return real_insert(conn, store, rows)
 
     flushed: list[int] = []
     real_flush = kombu.transport.redis.PublishBatch.flush
