@@ -126,6 +126,7 @@ class BulkSubmit:
 
         Raises :class:`conveyor.errors.SubmitFailed` if the database fails: the batches
         committed before it stay recorded, so retry the call with the same idempotency keys.
+        Jobs with a dedup plan are recorded after the batches, one by one.
         """
         if batch_size < 1:
             raise ValueError("batch_size must be positive")
@@ -174,7 +175,9 @@ class BulkSubmit:
             held = handles[j]
             assert held is not None
             handles[i] = self.submitter.handle(held.id, deduplicated=True)
-        return [h for h in handles if h is not None]
+        done_handles = [h for h in handles if h is not None]
+        assert len(done_handles) == len(items)
+        return done_handles
 
     def _batch(
         self, items: Sequence[BulkItem], carrier: dict[str, str] | None, upcoming: Sequence[BulkItem] | None

@@ -290,3 +290,31 @@ def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
     assert [n for n in flushed if n] == [10]  # only the committed batch was sent
     eventually(lambda: sum(effect_count(platform, note=f"{tag}-{i}") for i in range(30)) == 10, timeout=60)
     assert all(effect_count(platform, note=f"{tag}-{i}") == (1 if i < 10 else 0) for i in range(30))
+
+
+def test_delay_and_owner_as_submit_records_them(platform: Any, tag: str) -> None:
+    from conveyor.owners import owned_key
+
+    keys = [f"{tag}-k{i}" for i in range(3)]
+    notes = [{"note": f"{tag}-d{i}"} for i in range(3)]
+    acme = platform.submit_many("conveyor.demo.effect", notes, delay=60, owner="acme", idempotency_keys=keys)
+    other = platform.submit_many(
+        "conveyor.demo.effect", notes, delay=60, owner="other", idempotency_keys=keys
+    )
+    again = platform.submit_many("conveyor.demo.effect", notes, delay=60, owner="acme", idempotency_keys=keys)
+    assert [h.id for h in again] == [h.id for h in acme] and all(h.deduplicated for h in again)
+    assert not any(h.deduplicated for h in other) and {h.id for h in other}.isdisjoint(h.id for h in acme)
+    try:
+        with platform.engine.connect() as conn:
+            rows = {
+                r["id"]: r
+                for r in conn.execute(select(jobs).where(jobs.c.id.in_([h.id for h in acme]))).mappings()
+            }
+        for handle, key in zip(acme, keys, strict=True):
+            row = rows[handle.id]
+            assert row["owner"] == "acme" and row["idempotency_key"] == owned_key("acme", key)
+            assert row["published_at"] is None and row["broker_epoch"] is None  # the relay's, when due
+            assert (row["run_at"] - row["created_at"]).total_seconds() > 55
+    finally:
+        for handle in [*acme, *other]:
+            platform.cancel(handle.id)
