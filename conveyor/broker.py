@@ -279,41 +279,53 @@ class Broker:
         serializer = app.conf.task_serializer
         maxsize, maxlevels = amqp.kwargsrepr_maxsize, int(app.conf.task_repr_maxlevels)
         delivery_mode = app.conf.task_default_delivery_mode
+
+        def build(job: Outgoing) -> tuple[Outgoing, Any]:
+            message = create(
+                job.task_id, job.stage, (), job.payload,
+                None, None, None, None, None, 0, None, None, None,
+                oid, None, None, sent_event, None, None, None, None,
+                ignore_result=job.ignore_result,
+                argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
+                kwargsrepr=quick_kwargsrepr(job.payload, maxsize, maxlevels),
+            )  # fmt: skip
+            message.headers[JOB_HEADER] = job.job_id
+            if traced:
+                message.headers.update(traced)
+            return job, message
+
+        def send(producer: Any, job: Outgoing, message: Any) -> None:
+            if sent_event:  # Celery sends it, with its task-sent event
+                queue = Queue(job.queue, Exchange(""), routing_key=job.queue)  # type: ignore[no-untyped-call]
+                amqp.send_task_message(producer, job.stage, message, retry=False, queue=queue, declare=[])
+                return
+            producer.publish(
+                message.body,
+                exchange="",
+                routing_key=job.queue,
+                serializer=serializer,
+                delivery_mode=delivery_mode,
+                declare=[],
+                retry=False,
+                headers=message.headers,
+                **message.properties,
+            )
+
         with tracing.attached(trace_context):
             try:
                 producer = self._fast_connection().Producer()
-                publish = producer.publish
+                if sent_event or not hasattr(producer, "batch"):
+                    # Task-sent events on, or kombu < 5.7 (no publish batch): every message
+                    # is built first and sent once ``ready`` returned, one Redis call each.
+                    built = [build(job) for job in jobs]
+                    if ready is not None:
+                        ready()
+                    for job, message in built:
+                        send(producer, job, message)
+                    return
                 with producer.batch(max_size=len(jobs) + 1):
                     for job in jobs:
-                        headers, properties, body, event = create(
-                            job.task_id, job.stage, (), job.payload,
-                            None, None, None, None, None, 0, None, None, None,
-                            oid, None, None, sent_event, None, None, None, None,
-                            ignore_result=job.ignore_result,
-                            argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
-                            kwargsrepr=quick_kwargsrepr(job.payload, maxsize, maxlevels),
-                        )  # fmt: skip
-                        headers[JOB_HEADER] = job.job_id
-                        if traced:
-                            headers.update(traced)
-                        if sent_event:
-                            queue = Queue(job.queue, Exchange(""), routing_key=job.queue)  # type: ignore[no-untyped-call]
-                            message = (headers, properties, body, event)
-                            amqp.send_task_message(
-                                producer, job.stage, message, retry=False, queue=queue, declare=[]
-                            )
-                            continue
-                        publish(
-                            body,
-                            exchange="",
-                            routing_key=job.queue,
-                            serializer=serializer,
-                            delivery_mode=delivery_mode,
-                            declare=[],
-                            retry=False,
-                            headers=headers,
-                            **properties,
-                        )
+                        send(producer, *build(job))
                     if ready is not None:
                         ready()
             except Exception:

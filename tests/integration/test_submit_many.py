@@ -318,3 +318,25 @@ def test_delay_and_owner_as_submit_records_them(platform: Any, tag: str) -> None
     finally:
         for handle in [*acme, *other]:
             platform.cancel(handle.id)
+
+
+@pytest.mark.parametrize("path", ["kombu_without_batches", "task_sent_events"])
+def test_the_one_by_one_publish_paths(
+    platform: Any, worker: Any, tag: str, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    import kombu.messaging
+
+    if path == "kombu_without_batches":  # kombu < 5.7 (the floor, 5.6) has no Producer.batch
+        monkeypatch.delattr(kombu.messaging.Producer, "batch")
+    else:
+        monkeypatch.setitem(platform.app.conf, "task_send_sent_event", True)
+    handles = platform.submit_many(
+        "conveyor.demo.effect", [{"note": f"{tag}-{i}"} for i in range(12)], batch_size=5
+    )
+    monkeypatch.undo()
+    ids = [h.id for h in handles]
+    eventually(lambda: _all_succeeded(platform, ids), timeout=60)
+    with platform.engine.connect() as conn:
+        rows = list(conn.execute(select(jobs.c.id, jobs.c.celery_task_id).where(jobs.c.id.in_(ids))))
+    assert all(r.celery_task_id == r.id for r in rows)  # published by the call itself
+    assert all(effect_count(platform, note=f"{tag}-{i}") == 1 for i in range(12))
