@@ -10,14 +10,19 @@ The caller's side (the platform's :class:`conveyor.submit.Submitter` and the web
   (cache, ``dedup_keys`` row, followers, debounce) is per job and cannot be made for a
   whole batch at once without changing what it answers.
 * Every other job is inserted ``batch_size`` at a time: on Postgres one
-  ``INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING`` that writes each row and
-  its ``job.submitted`` event, one synchronous transaction per batch; on SQLite a loop of
-  the ordinary inserts in one transaction per batch. The rows of jobs due now are
-  inserted as already published under the current broker epoch (as ``submit()``'s are);
-  once the batch has committed its messages go out through one pipeline
+  ``INSERT ... SELECT FROM json_to_recordset(...) ON CONFLICT DO NOTHING`` that writes
+  each row and its ``job.submitted`` event, one synchronous transaction per batch; on
+  SQLite a loop of the ordinary inserts in one transaction per batch. The rows of jobs due
+  now are inserted as already published under the current broker epoch (as ``submit()``'s
+  are); once the batch has committed its messages go out through one pipeline
   (:meth:`conveyor.broker.Broker.publish_many`). If Redis is away (no epoch) the rows are
   inserted unpublished; if the publish fails they are marked unpublished: either way the
   relay publishes them (and ``republish_after`` covers a mark that failed too).
+* On Postgres, a batch with no idempotency key (nothing in it can conflict) commits on a
+  helper thread while this thread builds its messages, which are sent only once it has
+  committed (never if it failed); the next batch's commit starts as soon as this one's
+  returned, while its messages are sent. A batch with keys commits first, then publishes
+  only the jobs it created.
 
 Idempotency keys are honoured as ``submit()`` honours them: a key recorded before returns
 the existing job's handle with ``deduplicated=True``, and a key given twice in one call
