@@ -26,7 +26,7 @@ import copy
 import datetime as dt
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from celery import Celery
@@ -37,6 +37,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import registry
+from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
 from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
 from conveyor.db.schema import IGNORE_RESULT
@@ -307,16 +308,7 @@ class Client:
             raise SubmitFailed(
                 f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
             ) from exc
-        if isinstance(payload, BaseModel):
-            data = payload.model_dump(mode="json")
-        elif payload is None or isinstance(payload, Mapping):
-            data = dict(payload or {})
-        else:
-            raise PayloadInvalid(
-                f"invalid payload for {spec.name}: payload: expected an object (a mapping of field "
-                f"names to values), got {type(payload).__name__}"
-            )
-        clean = checked_size(spec.name, spec.validate(data), self.settings.max_payload_bytes)
+        clean = self._checked(spec, payload)
         new = NewJob(
             stage=spec.name,
             queue=spec.queue,
@@ -340,6 +332,79 @@ class Client:
                 scope, key = resolved
                 plan = DedupPlan(policy, scope, key, reuse, self.settings.retention_days * 86400)
         return self._submitter.enqueue(new, session=session, plan=plan)
+
+    def submit_many(
+        self,
+        stage: str,
+        payloads: Sequence[BaseModel | Mapping[str, Any] | None],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        owner: str | None = None,
+        delay: float = 0.0,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        dedup: Literal[False] | None = None,
+        reuse: Reuse = "never",
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> builtins.list[JobHandle]:
+        """Record many jobs of stage ``stage`` in batches and publish them (as
+        :meth:`conveyor.platform.Platform.submit_many`); their handles, in order.
+
+        Every payload is checked first as :meth:`submit` checks it: an invalid one raises
+        :class:`conveyor.errors.PayloadInvalid` naming its index and nothing is recorded.
+        Jobs commit ``batch_size`` at a time (one transaction and one pipelined publish per
+        batch): once this returns they are all in the database. ``idempotency_keys`` (one
+        per payload, or None) and the stage's dedup policy answer as they do for
+        :meth:`submit`; a stage with a dedup policy records its jobs one by one.
+        """
+        keys = check_keys(len(payloads), idempotency_keys)
+        try:
+            spec = self.stage(stage)
+        except (DBAPIError, PoolTimeout) as exc:
+            raise SubmitFailed(
+                f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
+            ) from exc
+        policy = spec.dedup_policy() if dedup is not False else None
+        items = []
+        for i, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+            try:
+                clean = self._checked(spec, payload)
+            except PayloadInvalid as exc:
+                raise indexed_invalid(i, exc) from exc
+            new = NewJob(
+                stage=spec.name,
+                queue=spec.queue,
+                payload=clean,
+                max_attempts=max_attempts or spec.max_attempts,
+                priority=spec.priority if priority is None else priority,
+                label=spec.name.rsplit(".", 1)[-1],
+                idempotency_key=owned_key(owner, key),
+                owner=owner,
+                delay=max(0.0, delay),
+            )
+            new.origin_task_id = new.id
+            new.options = {IGNORE_RESULT: True}
+            plan = None
+            resolved = spec.resolve_dedup(clean) if policy is not None else None
+            if policy is not None and resolved is not None:
+                plan = DedupPlan(policy, *resolved, reuse, self.settings.retention_days * 86400)
+            items.append(BulkItem(new, plan))
+        return BulkSubmit(self._submitter).run(items, batch_size=batch_size)
+
+    def _checked(
+        self, spec: RegisteredStage, payload: BaseModel | Mapping[str, Any] | None
+    ) -> dict[str, Any]:
+        """``payload`` validated against ``spec``'s schema and size limit, JSON-ready."""
+        if isinstance(payload, BaseModel):
+            data = payload.model_dump(mode="json")
+        elif payload is None or isinstance(payload, Mapping):
+            data = dict(payload or {})
+        else:
+            raise PayloadInvalid(
+                f"invalid payload for {spec.name}: payload: expected an object (a mapping of field "
+                f"names to values), got {type(payload).__name__}"
+            )
+        return checked_size(spec.name, spec.validate(data), self.settings.max_payload_bytes)
 
     def job(self, job_id: str) -> JobHandle:
         """A handle on an existing job (``wait``, ``result``, ``cancel``, ``events``)."""

@@ -326,6 +326,35 @@ class Platform:
             owner=owner,
         )
 
+    def submit_many(
+        self,
+        stage: str | StageTask | StageSpec,
+        payloads: Sequence[BaseModel | Mapping[str, Any] | None],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        owner: str | None = None,
+        delay: float = 0.0,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        dedup: Dedup | Literal[False] | None = None,
+        reuse: Reuse = "never",
+        batch_size: int = 1000,
+    ) -> list[JobHandle]:
+        """Record many jobs of one stage in batches and publish them; their handles in the
+        payloads' order (see :meth:`Submitter.submit_many`)."""
+        return self.submitter.submit_many(
+            stage,
+            payloads,
+            idempotency_keys=idempotency_keys,
+            owner=owner,
+            delay=delay,
+            priority=priority,
+            max_attempts=max_attempts,
+            dedup=dedup,
+            reuse=reuse,
+            batch_size=batch_size,
+        )
+
     def enlisted(self, session: Session | scoped_session[Any]) -> AbstractContextManager[Session]:
         """Make ``delay()``/``apply_async()``/canvases inside the block join ``session``:
         their jobs commit with the caller's own changes and are published after commit."""

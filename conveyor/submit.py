@@ -13,7 +13,7 @@ import datetime as dt
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -28,13 +28,14 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import tracing
+from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.namespace import use_schema
 from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.enlist import Enlistment
-from conveyor.errors import ConfigurationError, SubmitFailed, describe, is_connection_loss
+from conveyor.errors import ConfigurationError, PayloadInvalid, SubmitFailed, describe, is_connection_loss
 from conveyor.followers import Settles, has_flow
 from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
@@ -135,6 +136,60 @@ class Submitter:
         new.options = {s.IGNORE_RESULT: True}
         plan = self.recorder.dedup_plan(spec, model, dedup, reuse)
         return self.enqueue(new, session=session, plan=plan)
+
+    def submit_many(
+        self,
+        stage: str | Task | StageSpec,
+        payloads: Sequence[BaseModel | Mapping[str, Any] | None],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        owner: str | None = None,
+        delay: float = 0.0,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        dedup: Dedup | Literal[False] | None = None,
+        reuse: Reuse = "never",
+        batch_size: int = DEFAULT_BATCH_SIZE,
+    ) -> list[JobHandle]:
+        """Record many jobs of one stage and publish them; their handles, in order.
+
+        Each job is the one :meth:`submit` would record with the same options (one
+        ``idempotency_keys`` entry per payload, or None). Every payload is validated first:
+        an invalid one raises :class:`conveyor.errors.PayloadInvalid` naming its index, and
+        nothing is recorded. The jobs are committed ``batch_size`` at a time, each batch
+        one transaction published through one pipelined Redis call once it committed; when
+        this returns every job is in the database. A key seen before, or earlier in the
+        call, returns the holder's handle with ``deduplicated=True``. A stage with a dedup
+        policy (or ``dedup``) records its jobs one by one through :meth:`submit`'s own
+        path, so dedup answers exactly as there (:mod:`conveyor.bulk`).
+        """
+        spec = self.stages.spec(stage)
+        keys = check_keys(len(payloads), idempotency_keys)
+        items = []
+        for i, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
+            try:
+                data = (
+                    payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
+                )
+                model = spec.validate(data)
+                stored = self.recorder.payload_of(spec, model)
+            except PayloadInvalid as exc:
+                raise indexed_invalid(i, exc) from exc
+            new = NewJob(
+                stage=spec.name,
+                queue=spec.queue,
+                payload=stored,
+                max_attempts=max_attempts or spec.max_attempts,
+                priority=spec.priority if priority is None else priority,
+                label=spec.label_for(model),
+                idempotency_key=owned_key(owner, key),
+                owner=owner,
+                delay=max(0.0, delay),
+            )
+            new.origin_task_id = new.id
+            new.options = {s.IGNORE_RESULT: True}
+            items.append(BulkItem(new, self.recorder.dedup_plan(spec, model, dedup, reuse)))
+        return BulkSubmit(self).run(items, batch_size=batch_size)
 
     def submit_call(
         self,
