@@ -228,12 +228,19 @@ class Broker:
             # A job of submit() is awaited through its row: no result to store (see
             # conveyor.celeryconfig); a chord member is still counted.
             ignore_result=bool(options.get(IGNORE_RESULT)),
+            argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
+            kwargsrepr=quick_kwargsrepr(payload, amqp.kwargsrepr_maxsize, int(app.conf.task_repr_maxlevels)),
             **routed,
         )
         if options.get("priority") is not None:
             routed["priority"] = options["priority"]
         with tracing.attached(trace_context):
             if fast:
+                target = routed.get("queue")
+                if isinstance(target, Queue) and getattr(target.exchange, "type", None) == "direct":
+                    # Celery sends to a direct exchange's queue list by name (the anonymous
+                    # exchange): declaring it on every submit only rebinds what is bound.
+                    routed["declare"] = []
                 try:
                     producer = self._fast_connection().Producer()
                     amqp.send_task_message(producer, stage, message, retry=False, **routed)
