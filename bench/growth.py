@@ -232,7 +232,8 @@ WITH copies AS (
          0, 0, t.max_attempts, now(), t.options, n.id, n.id, now(), :epoch, n.id, t.owner,
          t.trace_context, now(), now()
     FROM jobs AS t,
-         LATERAL (SELECT g, gen_random_uuid()::text AS id FROM generate_series(1, CAST(:n AS integer)) AS g) AS n
+         LATERAL (SELECT g, gen_random_uuid()::text AS id
+                    FROM generate_series(1, CAST(:n AS integer)) AS g) AS n
    WHERE t.id = :template
   RETURNING id, stage
 )

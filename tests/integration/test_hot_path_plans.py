@@ -292,3 +292,18 @@ def test_keys_of_vanished_holders_are_swept_a_window_per_pass(platform: Any, tag
                 break
     with platform.engine.connect() as conn:
         assert conn.execute(left).scalar_one() == 0
+
+
+def test_the_relays_epoch_scan_reads_only_other_epochs(big: Any) -> None:
+    """The relay's scan for jobs published under another epoch runs every pass: it reads
+    ranges of the published-epoch index (migration 0017), not every waiting job's row."""
+    platform = big
+    scans = [
+        (s, p)
+        for label, s, p in capture_periodic(platform)
+        if label == "relay" and "broker_epoch <" in s and "broker_epoch >" in s
+    ]
+    assert scans
+    with platform.engine.connect() as conn:
+        for statement, parameters in scans:
+            assert "ix_jobs_published_epoch" in str(explain(conn, statement, parameters)), statement
