@@ -31,8 +31,9 @@ TERMINAL_JOBS = 200_000
 EVENTS = 200_000
 
 # 200k terminal jobs finished over the last 10 days (so some are past the 7-day retention),
-# every 10th of a flow, every 7th of an owner; then the live ones: published, unpublished
-# and due, delayed, running (fresh heartbeats), retrying, parked, following.
+# every 10th of a flow, every 7th of an owner; then the live ones: published (a thousand
+# of them an hour ago: unclaimed too long), unpublished and due, delayed, running (fresh
+# heartbeats), retrying, parked, following.
 FILL = """
 INSERT INTO jobs (id, stage, queue, status, priority, payload, attempts, uncounted, requeues,
                   max_attempts, run_at, options, created_at, updated_at, started_at, finished_at,
@@ -58,7 +59,8 @@ SELECT 'live-' || g, 'conveyor.demo.square', 'demo', k.status, g % 3, '{"n": 2}'
        CASE WHEN k.status = 'running' THEN now() + interval '1 hour' END,
        CASE WHEN k.status = 'running' THEN 'worker-1' END,
        CASE WHEN k.status = 'waiting_lease' THEN 'key-' || (g % 20) END,
-       CASE WHEN k.kind IN ('published', 'running') THEN now() - interval '1 second' END,
+       CASE WHEN k.kind IN ('published', 'running')
+            THEN now() - CASE WHEN g <= 1000 THEN interval '1 hour' ELSE interval '1 second' END END,
        CASE WHEN k.kind IN ('published', 'running') THEN 'epoch-a' END,
        CASE WHEN g % 3 = 0 THEN 'owner-' || (g % 50) END
   FROM generate_series(1, 5000) AS g,
@@ -194,7 +196,7 @@ def capture_periodic(platform: Any) -> list[tuple[str, str, Any]]:
             relay.reconciler.reconcile(conn, TickReport(), redis_up=True)
             cap.label = "relay"
             orphan = Orphan(last_beat=time.time() - 3, delivered=["live-1", "live-2"])
-            relay._mark_publishable(conn, "epoch-b", {"worker-x": orphan}, reconcile=True)
+            relay._mark_publishable(conn, "epoch-a", {"worker-x": orphan}, reconcile=True)
             tx.rollback()
         cap.label = "events"
         job = platform.job("done-7")
