@@ -328,6 +328,7 @@ def drain(platform: Platform, worker: BenchWorker, backlog: int, window: int) ->
         seconds = time.perf_counter() - start
         # Take no more messages: the warm stop then waits only for the jobs in hand.
         platform.app.control.cancel_consumer(QUEUE, destination=[hostname], reply=True, timeout=10)
+        redis.delete(QUEUE)  # the rest of the backlog is not measured
     finally:
         worker.stop()
     rate = done / seconds
@@ -344,7 +345,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="CI sizes (< 60 s)")
     parser.add_argument("--pg", default=DEFAULT_PG, help="Postgres base URL, without a database")
     parser.add_argument("--database", default=DATABASE, help="Postgres database (dropped and created)")
-    parser.add_argument("--skip", choices=("claim", "drain"), action="append", default=[])
+    parser.add_argument(
+        "--skip", choices=("claim", "drain"), action="append", default=[], help="leave a figure out"
+    )
+    parser.add_argument(
+        "--backlogs", type=int, nargs=2, default=None, help="the two backlog sizes of the drain"
+    )
+    parser.add_argument("--window", type=int, default=None, help="jobs timed of each drain")
     return parser.parse_args(argv)
 
 
@@ -354,8 +361,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = SMOKE_SIZES if args.smoke else FULL_SIZES
     events = SMOKE_EVENTS if args.smoke else FULL_EVENTS
     pairs = SMOKE_PAIRS if args.smoke else FULL_PAIRS
-    backlogs = SMOKE_BACKLOGS if args.smoke else FULL_BACKLOGS
-    window = SMOKE_WINDOW if args.smoke else FULL_WINDOW
+    backlogs = tuple(args.backlogs or (SMOKE_BACKLOGS if args.smoke else FULL_BACKLOGS))
+    window = args.window or (SMOKE_WINDOW if args.smoke else FULL_WINDOW)
+    if window > min(backlogs):
+        raise SystemExit("--window must not exceed the smaller backlog")
     home = Path(tempfile.mkdtemp(prefix="conveyor-bench-growth-"))
     costs: dict[int, tuple[float, float]] = {}
     drains: dict[int, float] = {}
