@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, or_, select, update
+from sqlalchemy import delete, exists, or_, select, tuple_, update
 
 from conveyor.connections import Connections
 from conveyor.db import schema as s
@@ -72,6 +72,7 @@ class Reconciler:
         self._interrupts: list[tuple[str, int, str]] = []
         self._burials: list[Burial] = []
         self._stuck: list[str] = []  # holders whose followers wait although they ended
+        self._keys_after: tuple[str, str] | None = None  # where the dedup-key sweep resumes
 
     def begin(self) -> None:
         """A new pass: forget the burials of a pass that failed before committing them."""
@@ -224,8 +225,7 @@ class Reconciler:
             delete(jobs).where(jobs.c.status.in_(list(s.TERMINAL)), jobs.c.finished_at < db_now_plus(keep))
         ).rowcount
         n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
-        holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == dedup_keys.c.job_id))
-        n += conn.execute(delete(dedup_keys).where(holder_gone)).rowcount
+        n += self._purge_orphan_keys(conn)
         n += self.followers.purge(conn)
         n += conn.execute(
             delete(dead_letters).where(
@@ -233,6 +233,25 @@ class Reconciler:
             )
         ).rowcount
         return int(n or 0)
+
+    def _purge_orphan_keys(self, conn: Any) -> int:
+        """Delete dedup keys whose holder is gone (purged, or never committed), sweeping
+        ``BATCH`` keys per pass in key order and resuming there next pass.
+
+        One window at a time keeps the holder check to index probes of ``jobs``: the whole
+        table anti-joined with ``jobs`` made the planner hash every job on every pass
+        (issue #16, ``tests/integration/test_hot_path_plans.py``)."""
+        key = tuple_(dedup_keys.c.scope, dedup_keys.c.key)
+        window = select(dedup_keys.c.scope, dedup_keys.c.key).order_by(dedup_keys.c.scope, dedup_keys.c.key)
+        if self._keys_after is not None:
+            window = window.where(key > tuple_(*self._keys_after))
+        rows = conn.execute(window.limit(BATCH)).all()
+        self._keys_after = (str(rows[-1][0]), str(rows[-1][1])) if len(rows) == BATCH else None
+        if not rows:
+            return 0
+        holder_gone = ~exists(select(jobs.c.id).where(jobs.c.id == dedup_keys.c.job_id))
+        swept = key.in_([(str(r[0]), str(r[1])) for r in rows])
+        return int(conn.execute(delete(dedup_keys).where(swept, holder_gone)).rowcount or 0)
 
     def after_commit(self) -> None:
         """After the pass committed (with Redis up): carry on the burials' flows, publish

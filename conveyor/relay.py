@@ -152,7 +152,11 @@ class Relay:
         )
         # A wiped broker: everything published under another epoch, exactly once per epoch.
         published = _published_waiting()
-        other_epoch = or_(jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch != epoch)
+        # ``<`` or ``>``, not ``<>``: ranges of ix_jobs_published_epoch (migration 0017), so
+        # a pass that finds nothing reads no row of the backlog.
+        other_epoch = or_(
+            jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch < epoch, jobs.c.broker_epoch > epoch
+        )
         lost = [
             *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
             *(self._unclaimed_too_long(conn, epoch) if reconcile and self._unclaimed_due() else []),

@@ -121,6 +121,21 @@ jobs = Table(
         postgresql_where=text("published_at IS NULL AND status IN ('queued', 'retrying', 'throttled')"),
         sqlite_where=text("published_at IS NULL AND status IN ('queued', 'retrying', 'throttled')"),
     ),
+    # The relay's epoch scans over waiting, published jobs (migration 0017).
+    Index(
+        "ix_jobs_published_epoch",
+        "broker_epoch",
+        "published_at",
+        postgresql_where=text("published_at IS NOT NULL AND status IN ('queued', 'retrying', 'throttled')"),
+        sqlite_where=text("published_at IS NOT NULL AND status IN ('queued', 'retrying', 'throttled')"),
+    ),
+    # The reconciler's expiry scan over waiting jobs that can expire (migration 0017).
+    Index(
+        "ix_jobs_expiring",
+        "expires_at",
+        postgresql_where=text("expires_at IS NOT NULL AND status IN ('queued', 'retrying', 'throttled')"),
+        sqlite_where=text("expires_at IS NOT NULL AND status IN ('queued', 'retrying', 'throttled')"),
+    ),
     Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
     Index("ix_jobs_status_published", "status", "published_at"),
     Index("ix_jobs_stage_status", "stage", "status"),
