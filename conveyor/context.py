@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
+from structlog.stdlib import BoundLogger
 
 from conveyor.admission import Slot
 from conveyor.connections import Connections
@@ -58,7 +59,7 @@ class JobContext:
         self.stage = stage
         self.flow_id = flow_id
         self.queue = queue
-        self.log = job_logger(job_id=job_id, stage=stage, attempt=attempt, queue=queue)
+        self._log: BoundLogger | None = None
         self._log_tokens: JobTokens | None = bind_job(job_id, stage, attempt, queue)
         self.events: list[dict[str, Any]] = []
         self._conn: Connection | None = None
@@ -68,6 +69,15 @@ class JobContext:
         self.slot: Slot | None = None  # a concurrency slot, renewed with the heartbeat
         self.stop_requested: str | None = None  # "preempt" / "cancel", set by the poller
         self._last_check = 0.0
+
+    @property
+    def log(self) -> BoundLogger:
+        """The attempt's logger (:func:`conveyor.logs.job_logger`), made on first use."""
+        if self._log is None:
+            self._log = job_logger(
+                job_id=self.job_id, stage=self.stage, attempt=self.attempt, queue=self.queue
+            )
+        return self._log
 
     @property
     def connection(self) -> Connection:
