@@ -63,6 +63,14 @@ def wants_celery_result(row: Mapping[str, Any]) -> bool:
     return not (row["options"] or {}).get(IGNORE_RESULT)
 
 
+_LIVE = "status IN ('queued', 'running', 'retrying', 'throttled', 'waiting_lease', 'waiting_dedup')"
+_WAITING = "status IN ('queued', 'retrying', 'throttled')"
+
+
+def _partial(name: str, columns: list[str], where: str) -> list[Index]:
+    return [Index(name, *columns, postgresql_where=text(where), sqlite_where=text(where))]
+
+
 jobs = Table(
     own("jobs"),
     metadata,
@@ -136,14 +144,16 @@ jobs = Table(
         postgresql_where=text("expires_at IS NOT NULL AND status IN ('queued', 'retrying', 'throttled')"),
         sqlite_where=text("expires_at IS NOT NULL AND status IN ('queued', 'retrying', 'throttled')"),
     ),
-    Index("ix_jobs_status_heartbeat", "status", "heartbeat_at"),
-    Index("ix_jobs_status_published", "status", "published_at"),
+    # Partial where the lookups allow, so a claim and a completion write few index
+    # entries (migration 0018).
+    *_partial("ix_jobs_status_heartbeat", ["status", "heartbeat_at"], _LIVE),
+    *_partial("ix_jobs_status_published", ["status", "published_at"], _WAITING),
     Index("ix_jobs_stage_status", "stage", "status"),
     Index("ix_jobs_flow", "flow_id"),
-    Index("ix_jobs_finished", "finished_at"),
-    Index("ix_jobs_celery_task", "celery_task_id"),
-    Index("ix_jobs_parked", "lease_key", "status", "priority"),
-    Index("ix_jobs_owner_created", "owner", "created_at"),
+    *_partial("ix_jobs_finished", ["finished_at"], "finished_at IS NOT NULL"),
+    *_partial("ix_jobs_celery_task", ["celery_task_id"], "status = 'running'"),
+    *_partial("ix_jobs_parked", ["lease_key", "status", "priority"], "lease_key IS NOT NULL"),
+    *_partial("ix_jobs_owner_created", ["owner", "created_at"], "owner IS NOT NULL"),
 )
 
 job_events = Table(

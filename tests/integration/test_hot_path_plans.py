@@ -243,7 +243,7 @@ def test_no_sequential_scan_of_jobs_or_events_on_the_hot_path(big: Any) -> None:
             for s in function_statements(conn, "conveyor_sequence_events", {"p_limit": "5000"})
         ]
         assert per_job and sequencer
-        _, succeed = _statements(SCHEMA)
+        _, _, succeed = _statements(SCHEMA)
         params = {"id": "live-4000", "attempt": 1, "result": "{}", "event": "{}"}
         per_job.append(("completion", succeed, params))
         for label, statement, parameters in [*per_job, *sequencer, *captured]:
