@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -56,18 +57,19 @@ def _statements(schema: str) -> tuple[str, str, str]:
     SELECT id, 'job.submitted', %(event)s, clock_timestamp() FROM j
     RETURNING job_id
     """
-    claim = f"SELECT * FROM {s}conveyor_claim(%(id)s, %(owner)s, %(task_id)s)"
+    # Positional parameters on the per-job statements: cheaper for psycopg than named ones.
+    claim = f"SELECT * FROM {s}conveyor_claim(%s, %s, %s)"  # id, owner, task id
     succeed = f"""
     WITH u AS (
-      UPDATE {s}jobs SET status = 'succeeded', result = %(result)s, lease_owner = NULL,
+      UPDATE {s}jobs SET status = 'succeeded', result = %s, lease_owner = NULL,
              finished_at = clock_timestamp(), updated_at = clock_timestamp()
-      WHERE id = %(id)s AND status = 'running' AND attempts = %(attempt)s
+      WHERE id = %s AND status = 'running' AND attempts = %s
       RETURNING id
     )
     INSERT INTO {s}job_events (job_id, topic, body, created_at)
-    SELECT id, 'job.succeeded', %(event)s, clock_timestamp() FROM u
+    SELECT id, 'job.succeeded', %s, clock_timestamp() FROM u
     RETURNING job_id
-    """
+    """  # result, id, attempt, event
     return submit, claim, succeed
 
 
@@ -96,14 +98,13 @@ class Lane:
 
     def claim(self, job_id: str, *, owner: str, task_id: str) -> dict[str, Any] | None:
         """The claim compare-and-set (``conveyor_claim``): the running row, or None."""
-        rows = self._run(self.claim_sql, {"id": job_id, "owner": owner, "task_id": task_id})
+        rows = self._run(self.claim_sql, (job_id, owner, task_id))
         return rows[0] if rows else None
 
     def succeed(self, job_id: str, attempt: int, result: Any, stage: str) -> bool:
         """``running → succeeded`` for ``attempt`` with its ``job.succeeded`` event; False
         when the attempt no longer owns the job (fenced off)."""
-        params = {"id": job_id, "attempt": attempt, "result": Json(result), "event": Json({"stage": stage})}
-        return bool(self._run(self.succeed_sql, params))
+        return bool(self._run(self.succeed_sql, (Json(result), job_id, attempt, Json({"stage": stage}))))
 
     def close(self) -> None:
         """Give this thread's kept connection back to the pool."""
@@ -112,19 +113,19 @@ class Lane:
         if fairy is not None:
             self._release(fairy)
 
-    def _run(self, sql: str, params: dict[str, Any]) -> list[dict[str, Any]]:
+    def _run(self, sql: str, params: Sequence[Any] | Mapping[str, Any]) -> list[dict[str, Any]]:
         fairy = self._take()
         conn: psycopg.Connection[Any] = fairy.driver_connection
+        cur: psycopg.Cursor[tuple[Any, ...]] = self._local.cursor
         try:
-            with conn.cursor(row_factory=tuple_row) as cur:
-                cur.execute(sql, params, prepare=True)
-                if cur.pgresult is None or not cur.pgresult.nfields:
-                    return []
-                rows = cur.fetchall()
-                names = self._names.get(sql)
-                if rows and (names is None or len(names) != len(rows[0])):  # new, or the table changed
-                    names = self._names[sql] = [c.name for c in cur.description or ()]
-                return [dict(zip(names or (), row, strict=True)) for row in rows]
+            cur.execute(sql, params, prepare=True)
+            if cur.pgresult is None or not cur.pgresult.nfields:
+                return []
+            rows = cur.fetchall()
+            names = self._names.get(sql)
+            if rows and (names is None or len(names) != len(rows[0])):  # new, or the table changed
+                names = self._names[sql] = [c.name for c in cur.description or ()]
+            return [dict(zip(names or (), row, strict=True)) for row in rows]
         except psycopg.Error as exc:
             lost = conn.closed or self.engine.dialect.is_disconnect(exc, fairy, None)  # type: ignore[arg-type]
             if lost:
@@ -159,6 +160,7 @@ class Lane:
                 ) from exc
             try:
                 fairy.driver_connection.autocommit = True  # type: ignore[union-attr]
+                self._local.cursor = fairy.driver_connection.cursor(row_factory=tuple_row)  # type: ignore[union-attr]
             except BaseException:
                 fairy.close()
                 raise
