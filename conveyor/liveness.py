@@ -97,6 +97,11 @@ class Deliveries:
     def _taken(self, worker: str) -> str:
         return f"{self.prefix}delivered:{worker}"
 
+    def taken_key(self, worker: str) -> str:
+        """The sorted set of jobs delivered to ``worker`` (job id → time), which
+        :meth:`record` writes; ``conveyor.transport`` writes it with kombu's bookkeeping."""
+        return self._taken(worker)
+
     def record(self, worker: str, job_id: str) -> None:
         """A message of ``job_id`` reached ``worker`` (before its claim)."""
         self._redis().zadd(self._taken(worker), {job_id: time.time()})

@@ -14,7 +14,8 @@ from celery.worker import state as worker_state
 from celery.worker.control import control_command
 from redis import Redis
 
-from conveyor import registry, tracing
+from conveyor import registry, tracing, transport
+from conveyor.broker import JOB_HEADER
 from conveyor.celeryconfig import celery_default_queue
 from conveyor.connections import Connections
 from conveyor.errors import ConfigurationError
@@ -107,16 +108,21 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
         deliveries.start(self.worker_id)
         worker_id = self.worker_id
 
-        def record(sender: Any = None, request: Any = None, **_: Any) -> None:
-            job_id = request_job_id(request)
-            if job_id is not None:
-                try:
-                    deliveries.record(worker_id, job_id)
-                except Exception:  # Redis down: the message is lost with us only if we die too
-                    log.debug("could not record delivery of %s", job_id, exc_info=True)
+        if worker.app.conf.broker_transport == transport.NAME:
+            # Noted with kombu's own unacked bookkeeping, in one round trip.
+            transport.record_deliveries(deliveries.taken_key(worker_id), JOB_HEADER)
+        else:
 
-        self._record = record
-        signals.task_received.connect(record, weak=False)
+            def record(sender: Any = None, request: Any = None, **_: Any) -> None:
+                job_id = request_job_id(request)
+                if job_id is not None:
+                    try:
+                        deliveries.record(worker_id, job_id)
+                    except Exception:  # Redis down: the message is lost with us only if we die too
+                        log.debug("could not record delivery of %s", job_id, exc_info=True)
+
+            self._record = record
+            signals.task_received.connect(record, weak=False)
         self.relay = host.relay()
         self.relay.start()
         host.background.append(self.relay)
@@ -124,6 +130,7 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def stop(self, worker: Any) -> None:
         if self.relay is not None:
             self.relay.stop()
+        transport.record_deliveries(None)
         if self._record is not None:
             signals.task_received.disconnect(self._record)
             self._record = None

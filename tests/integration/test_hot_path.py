@@ -231,3 +231,20 @@ def test_an_unreachable_server_is_an_outage_from_the_first_connect(platform: Any
         assert is_connection_loss(caught.value)  # requeued uncounted, never the job's failure
     finally:
         engine.dispose()
+
+
+def test_a_delivery_is_noted_with_its_unacked_entry(platform: Any, worker: Any, tag: str) -> None:
+    """conveyor.transport writes the worker's delivery note in kombu's own transaction."""
+    from conveyor import transport
+
+    assert platform.app.conf.broker_transport == transport.NAME
+    handle = platform.submit("conveyor.demo.square", {"n": 2})
+    assert handle.wait(30) == s.SUCCEEDED
+    redis = Redis.from_url(platform.settings.redis_url)
+    prefix = platform.settings.key_prefix
+    noted = [
+        key
+        for key in redis.scan_iter(match=f"{prefix}delivered:*")
+        if redis.zscore(key, handle.id) is not None
+    ]
+    assert len(noted) == 1, noted  # one worker took it, and noted it once
