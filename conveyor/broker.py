@@ -240,7 +240,7 @@ class Broker:
             # conveyor.celeryconfig); a chord member is still counted.
             ignore_result=bool(options.get(IGNORE_RESULT)),
             argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
-            kwargsrepr=quick_kwargsrepr(payload, amqp.kwargsrepr_maxsize, int(app.conf.task_repr_maxlevels)),
+            kwargsrepr=quick_kwargsrepr(payload, *repr_limits(app)),
             **routed,
         )
         if options.get("priority") is not None:
@@ -297,7 +297,7 @@ class Broker:
         oid = app.thread_oid
         traced = tracing.headers(trace_context)
         serializer = app.conf.task_serializer
-        maxsize, maxlevels = amqp.kwargsrepr_maxsize, int(app.conf.task_repr_maxlevels)
+        maxsize, maxlevels = repr_limits(app)
         delivery_mode = app.conf.task_default_delivery_mode
 
         def build(job: Outgoing) -> tuple[Outgoing, Any]:
@@ -372,6 +372,12 @@ def _plain(value: Any) -> bool:
     if value is None or isinstance(value, (bool, int, float)):
         return True
     return isinstance(value, str) and _PLAIN_CHARS.issuperset(value)
+
+
+def repr_limits(app: Celery) -> tuple[int, int]:
+    """The size and depth Celery gives ``saferepr`` for a message's ``kwargsrepr`` (Celery
+    5.6 has no ``task_repr_maxlevels`` setting: its ``saferepr`` default, 3)."""
+    return int(app.amqp.kwargsrepr_maxsize), int(app.conf.get("task_repr_maxlevels") or 3)
 
 
 def quick_kwargsrepr(payload: Mapping[str, Any], maxsize: int, maxlevels: int) -> str | None:

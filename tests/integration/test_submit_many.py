@@ -273,21 +273,26 @@ def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
         return real_insert(conn, store, rows)
 
     flushed: list[int] = []
-    real_flush = kombu.transport.redis.PublishBatch.flush
+    # kombu < 5.7 (the floor) has no publish batch: it sends one message at a time, and the
+    # jobs that ran (below) say what was sent.
+    batches = getattr(kombu.transport.redis, "PublishBatch", None)
+    if batches is not None:
+        real_flush = batches.flush
 
-    def counting_flush(self: Any) -> None:
-        flushed.append(self._buffered)
-        real_flush(self)
+        def counting_flush(self: Any) -> None:
+            flushed.append(self._buffered)
+            real_flush(self)
 
+        monkeypatch.setattr(batches, "flush", counting_flush)
     monkeypatch.setattr(conveyor.bulk, "insert_batch", insert_then_fail)
-    monkeypatch.setattr(kombu.transport.redis.PublishBatch, "flush", counting_flush)
     with pytest.raises(SubmitFailed, match=r"10 of 30 were recorded"):
         platform.submit_many(
             "conveyor.demo.effect", [{"note": f"{tag}-{i}"} for i in range(30)], batch_size=10
         )
     monkeypatch.undo()
     assert calls == [10, 10]  # the third batch never started
-    assert [n for n in flushed if n] == [10]  # only the committed batch was sent
+    if batches is not None:
+        assert [n for n in flushed if n] == [10]  # only the committed batch was sent
     eventually(lambda: sum(effect_count(platform, note=f"{tag}-{i}") for i in range(30)) == 10, timeout=60)
     assert all(effect_count(platform, note=f"{tag}-{i}") == (1 if i < 10 else 0) for i in range(30))
 
@@ -327,7 +332,7 @@ def test_the_one_by_one_publish_paths(
     import kombu.messaging
 
     if path == "kombu_without_batches":  # kombu < 5.7 (the floor, 5.6) has no Producer.batch
-        monkeypatch.delattr(kombu.messaging.Producer, "batch")
+        monkeypatch.delattr(kombu.messaging.Producer, "batch", raising=False)
     else:
         monkeypatch.setitem(platform.app.conf, "task_send_sent_event", True)
     handles = platform.submit_many(
