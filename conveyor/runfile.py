@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -127,6 +128,12 @@ def local_node() -> str:
     """This host's name plus its PID namespace: processes of one node see each other's
     pids. Containers that share the host's name (host networking) but not its PID
     namespace are different nodes, so one never judges the other's pids."""
+    return _node(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _node(_pid: int) -> str:
+    # Read once per process (every claim asks): a process keeps its host and namespace.
     try:
         namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
     except OSError:
