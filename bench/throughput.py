@@ -644,6 +644,9 @@ class Bench:
         """The tracked database's commits, once the bench's own connections closed too."""
         if database is None:
             return 0
+        lane = self.platform.connections.lane
+        if lane is not None:
+            lane.close()  # the submit's kept connection, back to the pool
         self.platform.engine.dispose()  # its backends exit and flush their statistics
         return self.monitor.settled_commits(database)
 

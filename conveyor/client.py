@@ -40,7 +40,6 @@ from conveyor import registry
 from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
 from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
-from conveyor.db.schema import IGNORE_RESULT
 from conveyor.dedup import Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
 from conveyor.enlist import Enlistment
@@ -309,7 +308,7 @@ class Client:
                 f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
             ) from exc
         clean = self._checked(spec, payload)
-        new = NewJob(
+        new = NewJob.submitted(
             stage=spec.name,
             queue=spec.queue,
             payload=clean,
@@ -318,12 +317,10 @@ class Client:
             label=label or spec.name.rsplit(".", 1)[-1],
             idempotency_key=key,
             owner=owner,
-            delay=max(0.0, delay),
+            delay=delay,
             expires_in=expires_in,
             run_at=utc_or_none(run_at),
         )
-        new.origin_task_id = new.id
-        new.options = {IGNORE_RESULT: True}
         plan = None
         if dedup is not False:
             policy = spec.dedup_policy()  # refuses a stage whose key only its code computes
@@ -371,7 +368,7 @@ class Client:
                 clean = self._checked(spec, payload)
             except PayloadInvalid as exc:
                 raise indexed_invalid(i, exc) from exc
-            new = NewJob(
+            new = NewJob.submitted(
                 stage=spec.name,
                 queue=spec.queue,
                 payload=clean,
@@ -380,10 +377,8 @@ class Client:
                 label=spec.name.rsplit(".", 1)[-1],
                 idempotency_key=owned_key(owner, key),
                 owner=owner,
-                delay=max(0.0, delay),
+                delay=delay,
             )
-            new.origin_task_id = new.id
-            new.options = {IGNORE_RESULT: True}
             plan = None
             resolved = spec.resolve_dedup(clean) if policy is not None else None
             if policy is not None and resolved is not None:

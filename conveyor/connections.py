@@ -58,6 +58,8 @@ class Connections:
 
     def reset(self) -> None:
         """Forget connections (after fork, or after :meth:`bind`)."""
+        if self._lane is not None and os.getpid() == self._pid:
+            self._lane.close()  # this thread's kept connection, back to the pool it came from
         if self._engine is not None:
             self._engine.dispose(close=os.getpid() == self._pid)
         self._engine = None

@@ -75,6 +75,41 @@ class NewJob:
     # The W3C carrier of the span that created it; unset: the span current at insert.
     trace_context: dict[str, str] | None = None
 
+    @classmethod
+    def submitted(
+        cls,
+        *,
+        stage: str,
+        queue: str,
+        payload: dict[str, Any],
+        max_attempts: int,
+        priority: int,
+        label: str | None,
+        idempotency_key: str | None = None,
+        owner: str | None = None,
+        delay: float = 0.0,
+        expires_in: float | None = None,
+        run_at: dt.datetime | None = None,
+    ) -> NewJob:
+        """A job as ``submit()`` records it: its own id is its first task id, and it is
+        published with Celery's ``ignore_result`` (its outcome is the row)."""
+        job = cls(
+            stage=stage,
+            queue=queue,
+            payload=payload,
+            max_attempts=max_attempts,
+            priority=priority,
+            label=label,
+            idempotency_key=idempotency_key,
+            owner=owner,
+            delay=max(0.0, delay),
+            expires_in=expires_in,
+            run_at=run_at,
+            options={s.IGNORE_RESULT: True},
+        )
+        job.origin_task_id = job.id
+        return job
+
     @property
     def due_now(self) -> bool:
         """Published at insert. An absolute ``run_at`` is left to the relay, which compares

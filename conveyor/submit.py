@@ -119,7 +119,7 @@ class Submitter:
         spec = self.stages.spec(stage)
         data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
         model = spec.validate(data)
-        new = NewJob(
+        new = NewJob.submitted(
             stage=spec.name,
             queue=spec.queue,
             payload=self.recorder.payload_of(spec, model),
@@ -128,12 +128,10 @@ class Submitter:
             label=label or spec.label_for(model),
             idempotency_key=key,
             owner=owner,
-            delay=max(0.0, delay),
+            delay=delay,
             expires_in=expires_in,
             run_at=utc_or_none(run_at),
         )
-        new.origin_task_id = new.id
-        new.options = {s.IGNORE_RESULT: True}
         plan = self.recorder.dedup_plan(spec, model, dedup, reuse)
         return self.enqueue(new, session=session, plan=plan)
 
@@ -175,7 +173,7 @@ class Submitter:
                 stored = self.recorder.payload_of(spec, model)
             except PayloadInvalid as exc:
                 raise indexed_invalid(i, exc) from exc
-            new = NewJob(
+            new = NewJob.submitted(
                 stage=spec.name,
                 queue=spec.queue,
                 payload=stored,
@@ -184,10 +182,8 @@ class Submitter:
                 label=spec.label_for(model),
                 idempotency_key=owned_key(owner, key),
                 owner=owner,
-                delay=max(0.0, delay),
+                delay=delay,
             )
-            new.origin_task_id = new.id
-            new.options = {s.IGNORE_RESULT: True}
             items.append(BulkItem(new, self.recorder.dedup_plan(spec, model, dedup, reuse)))
         return BulkSubmit(self).run(items, batch_size=batch_size)
 

@@ -403,7 +403,8 @@ def _pg_statements(schema: str) -> PgStatements:
     ).bindparams(bindparam("result", type_=_JSON), bindparam("event", type_=_JSON))
     return PgStatements(
         submit=submit,
-        # One round trip, in autocommit: see migration 0004 (it commits asynchronously).
+        # One round trip, in autocommit (migration 0007: it commits synchronously, so a
+        # database crash never reissues an attempt number; conveyor.db.lane runs it).
         # The function's body finds its tables through the search_path of Conveyor's own
         # connections, the only ones that claim.
         claim=text(f"SELECT * FROM {s}conveyor_claim(:id, :owner, :task_id)").columns(

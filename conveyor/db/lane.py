@@ -1,16 +1,20 @@
 """The hot path's statements on Postgres, below SQLAlchemy's execution layer.
 
-Every job runs one submit, one claim and one completion. Through a SQLAlchemy ``Connection`` each cost
-about 0.3 ms of Python around its round trip (a connection object, an isolation-level
-switch and its reset, statement compilation lookups, result metadata), and a pool checkout
-and return alone about 0.1 ms. Here each thread keeps one connection of the engine's pool
+Every job runs one submit, one claim and one completion. Through a SQLAlchemy
+``Connection`` each cost about 0.3 ms of Python around its round trip (a connection
+object, an isolation-level switch and its reset, statement compilation lookups, result
+metadata), and a pool checkout and return alone about 0.1 ms. Here the process's main
+thread (a prefork child runs its jobs there) keeps one connection of the engine's pool
 (same connect arguments and events) in autocommit, with server-side prepared statements
-and dict rows; errors are classified as SQLAlchemy's (:func:`conveyor.errors.is_connection_loss`
-sees its ``DBAPIError``), and a lost connection is invalidated and replaced on the next
-call. A connection idle for ``PING_AFTER`` seconds is pinged first, as a pool's pre-ping
-would, so a server that dropped it meanwhile costs a reconnect, not a failed claim. With
-``db_pool_size=0`` (no pooling) nothing is kept: each call takes a connection of its own.
-Measured by ``bench/throughput.py`` (issue #16).
+and rows named once per statement; other threads, which may be short-lived (a web
+server's request threads), take a pooled connection per call and give it back.
+
+Errors are classified as SQLAlchemy's (:func:`conveyor.errors.is_connection_loss` sees
+its ``DBAPIError``), and a lost connection is invalidated and replaced on the next call.
+A connection idle for ``PING_AFTER`` seconds is pinged first, as a pool's pre-ping would,
+so a server that dropped it meanwhile costs a reconnect, not a failed claim. With
+``db_pool_size=0`` (no pooling) nothing is kept. Measured by ``bench/throughput.py``
+(issue #16).
 """
 
 from __future__ import annotations
@@ -137,7 +141,9 @@ class Lane:
             ) from exc
         finally:
             self._local.used = time.monotonic()
-            if not self._keep and self._local.fairy is fairy:
+            if not (self._keep and threading.current_thread() is threading.main_thread()) and (
+                self._local.fairy is fairy
+            ):
                 self._local.fairy = None
                 self._release(fairy)
 
