@@ -11,6 +11,7 @@ logged while an OpenTelemetry span is current carries its ``trace_id`` and ``spa
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import re
 import socket
@@ -74,7 +75,13 @@ def _mask_email(match: re.Match[str]) -> str:
 
 def is_secret_key(key: object) -> bool:
     """Whether a mapping key names a secret (``password``, ``X-Api-Key``, ``dsn``, …)."""
-    return _SECRET_KEY.search(str(key)) is not None
+    return _secret_name(str(key))
+
+
+@functools.lru_cache(maxsize=2048)
+def _secret_name(name: str) -> bool:
+    # Every log line asks for the same few keys.
+    return _SECRET_KEY.search(name) is not None
 
 
 def redact_text(text: str) -> str:
@@ -118,16 +125,23 @@ def _redact_item(key: object, value: Any, depth: int) -> Any:
 def redact(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
     """structlog processor: :func:`redact_value` over the event dict.
 
-    Keys starting with ``_`` (the formatter's own, e.g. the ``LogRecord``) and
+    Keys starting with ``_`` (the formatter's own, e.g. the ``LogRecord``),
     ``exc_info``/``stack_info`` (left to the logging module when Conveyor's logging is
-    not configured) are passed through untouched.
+    not configured) and the plain values the shared processors add (logger name, level,
+    timestamp, trace ids) are passed through untouched.
     """
     return {
         key: value
-        if key.startswith("_") or key in ("exc_info", "stack_info")
+        if key.startswith("_") or key in _UNREDACTED or (key in _ADDED and isinstance(value, str))
         else _redact_item(key, value, 0)
         for key, value in event_dict.items()
     }
+
+
+_UNREDACTED = frozenset({"exc_info", "stack_info"})
+# Written by the shared processors from the record itself, never from data: a module path,
+# a level name, an ISO time, hex ids.
+_ADDED = frozenset({"logger", "level", "timestamp", "trace_id", "span_id"})
 
 
 def add_trace_ids(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
