@@ -244,7 +244,7 @@ def test_no_sequential_scan_of_jobs_or_events_on_the_hot_path(big: Any) -> None:
         ]
         assert per_job and sequencer
         _, _, succeed = _statements(SCHEMA)
-        params = {"id": "live-4000", "attempt": 1, "result": "{}", "event": "{}"}
+        params = ("{}", "live-4000", 1, "{}")  # result, id, attempt, event (lane.py's order)
         per_job.append(("completion", succeed, params))
         for label, statement, parameters in [*per_job, *sequencer, *captured]:
             if not re.match(r"(?is)\s*(SELECT|INSERT|UPDATE|DELETE|WITH)\b", statement):
