@@ -24,6 +24,7 @@ from conveyor.db.schema import jobs
 from conveyor.errors import LeaseLost, describe, is_connection_loss, is_permanent
 from conveyor.flow import Flow
 from conveyor.heartbeat import Heartbeat
+from conveyor.leases import Leases
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
 from conveyor.stage import StageSpec
@@ -44,8 +45,10 @@ class Completion:
         flow: Flow,
         heartbeat: Heartbeat,
         metrics: Metrics,
+        leases: Leases,
     ) -> None:
         self.connections = connections
+        self.leases = leases
         self.store = store
         self.continuations = continuations
         self.flow = flow
@@ -80,6 +83,7 @@ class Completion:
             if not lane.succeed(job["id"], int(job["attempts"]), result, spec.name):
                 raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
             self.metrics.inc("succeeded", spec.name)
+            self._release_lease(ctx)
             self._after_commit(task, job, result, [])
             return
         own = conn is None
@@ -114,7 +118,15 @@ class Completion:
             if own:
                 conn.close()
         self.metrics.inc("succeeded", spec.name)
+        self._release_lease(ctx)
         self._after_commit(task, job, result, continuation)
+
+    def _release_lease(self, ctx: JobContext) -> None:
+        """The job's lease key goes back before its waiters wake: a caller whose ``wait()``
+        returned finds the key free (and the next parked job unparked)."""
+        held, ctx.held = ctx.held, None
+        if held is not None:
+            self.leases.release(held, ctx.job_id)
 
     def _after_commit(self, task: Task, job: Row, result: Any, continuation: list[NewJob]) -> None:
         self.flow.publish_continuations(continuation)

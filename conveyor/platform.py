@@ -129,7 +129,13 @@ class Platform:
             conns, store=store, leases=leases, stops=stops, admission=self.admission, flow=flow
         )
         self.completion = completion = Completion(
-            conns, store=store, continuations=continuations, flow=flow, heartbeat=heartbeat, metrics=metrics
+            conns,
+            store=store,
+            continuations=continuations,
+            flow=flow,
+            heartbeat=heartbeat,
+            metrics=metrics,
+            leases=leases,
         )
         self.runner = Runner(
             conns,
