@@ -154,7 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     database_url = f"{args.pg.rstrip('/')}/{args.database}"
     recreate_database(args.pg, args.database)
-    engine = make_engine(database_url, pool_size=2)
+    # One connection redefines the function, the lane keeps one, inserts take a third.
+    engine = make_engine(database_url, pool_size=3)
     try:
         upgrade(engine)
         fsync = server_setting(engine, "fsync")
