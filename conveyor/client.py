@@ -40,7 +40,7 @@ from conveyor import registry
 from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
 from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
-from conveyor.dedup import Deduplicator, DedupPlan, Reuse
+from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
 from conveyor.enlist import Enlistment
 from conveyor.errors import (
@@ -301,12 +301,7 @@ class Client:
         that owner (:class:`conveyor.errors.OwnerInvalid` for a name that is not plain).
         """
         key = owned_key(owner, idempotency_key)
-        try:
-            spec = self.stage(stage)
-        except (DBAPIError, PoolTimeout) as exc:
-            raise SubmitFailed(
-                f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
-            ) from exc
+        spec = self._submittable(stage)
         clean = self._checked(spec, payload)
         new = NewJob.submitted(
             stage=spec.name,
@@ -321,14 +316,9 @@ class Client:
             expires_in=expires_in,
             run_at=utc_or_none(run_at),
         )
-        plan = None
-        if dedup is not False:
-            policy = spec.dedup_policy()  # refuses a stage whose key only its code computes
-            resolved = spec.resolve_dedup(clean)
-            if policy is not None and resolved is not None:
-                scope, key = resolved
-                plan = DedupPlan(policy, scope, key, reuse, self.settings.retention_days * 86400)
-        return self._submitter.enqueue(new, session=session, plan=plan)
+        # dedup_policy() refuses a stage whose key only its code computes.
+        policy = spec.dedup_policy() if dedup is not False else None
+        return self._submitter.enqueue(new, session=session, plan=self._plan(spec, policy, clean, reuse))
 
     def submit_many(
         self,
@@ -355,12 +345,7 @@ class Client:
         :meth:`submit`; a stage with a dedup policy records its jobs one by one.
         """
         keys = check_keys(len(payloads), idempotency_keys)
-        try:
-            spec = self.stage(stage)
-        except (DBAPIError, PoolTimeout) as exc:
-            raise SubmitFailed(
-                f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
-            ) from exc
+        spec = self._submittable(stage)
         policy = spec.dedup_policy() if dedup is not False else None
         items = []
         for i, (payload, key) in enumerate(zip(payloads, keys, strict=True)):
@@ -379,12 +364,27 @@ class Client:
                 owner=owner,
                 delay=delay,
             )
-            plan = None
-            resolved = spec.resolve_dedup(clean) if policy is not None else None
-            if policy is not None and resolved is not None:
-                plan = DedupPlan(policy, *resolved, reuse, self.settings.retention_days * 86400)
-            items.append(BulkItem(new, plan))
+            items.append(BulkItem(new, self._plan(spec, policy, clean, reuse)))
         return BulkSubmit(self._submitter).run(items, batch_size=batch_size)
+
+    def _submittable(self, stage: str) -> RegisteredStage:
+        """``stage``'s registry entry; a database failure is :class:`SubmitFailed`."""
+        try:
+            return self.stage(stage)
+        except (DBAPIError, PoolTimeout) as exc:
+            raise SubmitFailed(
+                f"could not look up stage {stage!r}: {describe(exc)}; nothing was recorded"
+            ) from exc
+
+    def _plan(
+        self, spec: RegisteredStage, policy: Dedup | None, clean: Mapping[str, Any], reuse: Reuse
+    ) -> DedupPlan | None:
+        """The dedup plan of one payload under the stage's ``policy`` (None: no dedup)."""
+        resolved = spec.resolve_dedup(clean) if policy is not None else None
+        if policy is None or resolved is None:
+            return None
+        scope, key = resolved
+        return DedupPlan(policy, scope, key, reuse, self.settings.retention_days * 86400)
 
     def _checked(
         self, spec: RegisteredStage, payload: BaseModel | Mapping[str, Any] | None
