@@ -355,20 +355,21 @@ def pg_statements(conn: Connection) -> PgStatements:
     return _pg_statements(schema_of(conn))
 
 
-@functools.lru_cache(maxsize=8)
-def _pg_statements(schema: str) -> PgStatements:
+def submit_sql(schema: str) -> str:
+    """The one-statement submit (the job row and its ``job.submitted`` event) for Conveyor's
+    tables in ``schema``, with ``:name`` placeholders; :mod:`conveyor.db.lane` runs the same
+    text with psycopg's."""
     s = f'"{schema}".'
-    submit = text(
-        f"""
+    return f"""
     WITH j AS (
       INSERT INTO {s}jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
                         max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
                         created_at, updated_at, celery_task_id, published_at, broker_epoch,
                         dedup_key, dedup_seq, owner, trace_context)
       VALUES (:id, :stage, :queue, 'queued', :priority, :payload, :label, :idempotency_key, 0,
-              :max_attempts, clock_timestamp() + make_interval(secs => :delay),
+              :max_attempts, clock_timestamp() + make_interval(secs => CAST(:delay AS float8)),
               CASE WHEN CAST(:expires_in AS float8) IS NULL THEN NULL
-                   ELSE clock_timestamp() + make_interval(secs => :expires_in) END,
+                   ELSE clock_timestamp() + make_interval(secs => CAST(:expires_in AS float8)) END,
               :flow_id, :parent_id, :options, :origin_task_id, clock_timestamp(), clock_timestamp(),
               :celery_task_id,
               CASE WHEN CAST(:broker_epoch AS text) IS NULL THEN NULL ELSE clock_timestamp() END,
@@ -380,7 +381,12 @@ def _pg_statements(schema: str) -> PgStatements:
     SELECT id, 'job.submitted', :event, clock_timestamp() FROM j
     RETURNING job_id
     """
-    ).bindparams(
+
+
+@functools.lru_cache(maxsize=8)
+def _pg_statements(schema: str) -> PgStatements:
+    s = f'"{schema}".'
+    submit = text(submit_sql(schema)).bindparams(
         bindparam("payload", type_=_JSON),
         bindparam("options", type_=_JSON),
         bindparam("event", type_=_JSON),

@@ -20,6 +20,7 @@ so a server that dropped it meanwhile costs a reconnect, not a failed claim. Wit
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -32,35 +33,16 @@ from psycopg.types.json import Json
 from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
+from conveyor.db.dialect import submit_sql
+
 PING_AFTER = 30.0
 
 
 @functools.lru_cache(maxsize=8)
 def _statements(schema: str) -> tuple[str, str, str]:
     s = f'"{schema}".'
-    # conveyor.db.dialect's submit statement, with psycopg's placeholders.
-    submit = f"""
-    WITH j AS (
-      INSERT INTO {s}jobs (id, stage, queue, status, priority, payload, label, idempotency_key, attempts,
-                        max_attempts, run_at, expires_at, flow_id, parent_id, options, origin_task_id,
-                        created_at, updated_at, celery_task_id, published_at, broker_epoch,
-                        dedup_key, dedup_seq, owner, trace_context)
-      VALUES (%(id)s, %(stage)s, %(queue)s, 'queued', %(priority)s, %(payload)s, %(label)s,
-              %(idempotency_key)s, 0, %(max_attempts)s,
-              clock_timestamp() + make_interval(secs => CAST(%(delay)s AS float8)),
-              CASE WHEN CAST(%(expires_in)s AS float8) IS NULL THEN NULL
-                   ELSE clock_timestamp() + make_interval(secs => CAST(%(expires_in)s AS float8)) END,
-              %(flow_id)s, %(parent_id)s, %(options)s, %(origin_task_id)s, clock_timestamp(),
-              clock_timestamp(), %(celery_task_id)s,
-              CASE WHEN CAST(%(broker_epoch)s AS text) IS NULL THEN NULL ELSE clock_timestamp() END,
-              %(broker_epoch)s, %(dedup_key)s, %(dedup_seq)s, %(owner)s, %(trace_context)s)
-      ON CONFLICT DO NOTHING
-      RETURNING id
-    )
-    INSERT INTO {s}job_events (job_id, topic, body, created_at)
-    SELECT id, 'job.submitted', %(event)s, clock_timestamp() FROM j
-    RETURNING job_id
-    """
+    # conveyor.db.dialect's submit statement, with psycopg's named placeholders.
+    submit = re.sub(r"(?<!:):(\w+)", r"%(\1)s", submit_sql(schema))
     # Positional parameters on the per-job statements: cheaper for psycopg than named ones.
     claim = f"SELECT * FROM {s}conveyor_claim(%s, %s, %s)"  # id, owner, task id
     succeed = f"""
