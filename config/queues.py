@@ -1,21 +1,28 @@
-"""Queues and routes, declared once. Stages name their queue; nothing redeclares these."""
+"""Queues and routes, declared once. Stages name their queue; nothing redeclares these.
+
+Every queue is a durable quorum queue on RabbitMQ (replicated, and the queue type whose
+messages survive a node's loss); on Redis the argument means nothing. Quorum queues refuse
+``x-max-priority``: on RabbitMQ a job's priority orders the relay and parked jobs only.
+"""
 
 from __future__ import annotations
 
-from kombu import Exchange, Queue
+from kombu import Exchange
+
+from conveyor.amqp import quorum_queue
 
 EXCHANGE = Exchange("conveyor", type="direct")
 
 QUEUES = [
     # Stages that preempt others (writes) get their own queue, consumed first.
-    Queue("priority", EXCHANGE, routing_key="priority"),
-    Queue("default", EXCHANGE, routing_key="default"),
-    Queue("demo", EXCHANGE, routing_key="demo"),
+    quorum_queue("priority", EXCHANGE),
+    quorum_queue("default", EXCHANGE),
+    quorum_queue("demo", EXCHANGE),
     # The files family: one queue per stage, so that each can be rate limited on its own.
-    Queue("file-extract", EXCHANGE, routing_key="file-extract"),
-    Queue("file-chunk", EXCHANGE, routing_key="file-chunk"),
-    Queue("file-embed", EXCHANGE, routing_key="file-embed"),
-    Queue("batch-completion", EXCHANGE, routing_key="batch-completion"),
+    quorum_queue("file-extract", EXCHANGE),
+    quorum_queue("file-chunk", EXCHANGE),
+    quorum_queue("file-embed", EXCHANGE),
+    quorum_queue("batch-completion", EXCHANGE),
 ]
 
 DEFAULT_QUEUE = "default"

@@ -17,6 +17,7 @@ from kombu.entity import Exchange, Queue
 from kombu.exceptions import ChannelError
 from redis import Redis
 
+from conveyor import amqp as rabbit
 from conveyor import tracing
 from conveyor.db.schema import IGNORE_RESULT
 from conveyor.fastpath import FastPath
@@ -44,7 +45,9 @@ class Broker:
     The epoch is a random value in Redis, created only right after every queue and binding
     was declared. A job published under another epoch may have been lost with the old
     Redis, so the relay republishes it. kombu drops a publish silently while the exchange
-    bindings are missing, so a publisher that finds no epoch declares first.
+    bindings are missing, so a publisher that finds no epoch declares first. With RabbitMQ
+    as the broker (``amqp``), the epoch is the broker's own (:class:`conveyor.amqp.AmqpEpoch`)
+    and Redis only caches it; publishes are confirmed and mandatory.
     """
 
     def __init__(
@@ -56,6 +59,7 @@ class Broker:
         *,
         fast: FastPath | None = None,
         direct: bool = False,
+        amqp_epoch: rabbit.AmqpEpoch | None = None,
     ) -> None:
         self.app = app
         self.redis = redis
@@ -67,6 +71,7 @@ class Broker:
         # list (the default exchange), never creates the epoch, and leaves a job it cannot
         # place to the relay, which knows every queue.
         self.direct = direct
+        self.amqp_epoch = amqp_epoch
         self._epoch: str | None = None
         self._epoch_read = 0.0
         self._lock = threading.Lock()
@@ -98,7 +103,11 @@ class Broker:
         if cached is not None:
             return cached
         with self._lock:
-            epoch = self._read_epoch(self.redis, fast=False)
+            epoch: str | None
+            if self.amqp_epoch is not None and not self.direct:
+                epoch = self._verified_amqp_epoch()
+            else:
+                epoch = self._read_epoch(self.redis, fast=False)
             if epoch is None:  # a direct publisher: a failed publish, left to the relay
                 raise ConnectionError("no broker epoch yet: the workers' relay creates it")
             self._epoch, self._epoch_read = epoch, now
@@ -114,13 +123,31 @@ class Broker:
         """The epoch in Redis, created (after declaring every queue) if missing; None when
         missing and this publisher is direct (it knows no queues: the relay creates it)."""
         value = client.get(self.epoch_key)
-        if value is None and self.direct:
-            return None
+        if value is None and (self.direct or (fast and self.amqp_epoch is not None)):
+            return None  # RabbitMQ's epoch is read and checked by the relay, not a submit
+        if value is None and self.amqp_epoch is not None:
+            return self._verified_amqp_epoch()
         if value is None:
             self.declare_all(fast=fast)
             client.set(self.epoch_key, secrets.token_hex(8), nx=True)
             value = client.get(self.epoch_key)
         return value.decode() if isinstance(value, bytes) else str(value)
+
+    def _verified_amqp_epoch(self) -> str:
+        """RabbitMQ's epoch, its marker queue checked (the relay asks every pass), cached."""
+        assert self.amqp_epoch is not None
+        raw = self.redis.get(self.epoch_key)
+        cached = raw.decode() if isinstance(raw, bytes) else None
+        with self.app.connection_for_write() as conn:
+            epoch = self.amqp_epoch.current(conn, cached, self._declare_on)
+        if epoch != cached:
+            self.redis.set(self.epoch_key, epoch)
+        return epoch
+
+    def _declare_on(self, connection: Any) -> None:
+        channel = connection.default_channel
+        for queue in self.queues:
+            queue.bind(channel).declare()  # type: ignore[no-untyped-call]
 
     def declare_all(self, *, fast: bool = False) -> None:
         """Declare every queue, exchange and binding, bypassing kombu's declared-cache
@@ -138,11 +165,16 @@ class Broker:
         local = self._local
         if getattr(local, "pid", None) != os.getpid() or getattr(local, "conn", None) is None:
             timeout = self.fast.timeout if self.fast is not None else None
-            options = {
+            options: dict[str, Any] = {
                 "socket_timeout": timeout,
                 "socket_connect_timeout": timeout,
                 "retry_on_timeout": False,
             }
+            if self.amqp_epoch is not None:
+                # A quorum queue confirms after its Raft log is written: give it a second.
+                wait = max(1.0, timeout or 0.0)
+                options = {"connect_timeout": wait, "read_timeout": wait, "write_timeout": wait}
+                options["confirm_publish"] = True
             local.conn, local.pid = self.app.connection_for_write(transport_options=options), os.getpid()
             local.producer = None
         return local.conn
@@ -169,6 +201,8 @@ class Broker:
         """Messages waiting in each queue (not counting ones delivered and unacked)."""
         out: dict[str, int] = {}
         with self.app.connection_for_write() as conn:
+            if self.amqp_epoch is not None:
+                return rabbit.message_counts(conn, queues)
             channel = conn.default_channel
             for name in queues:
                 try:
@@ -204,7 +238,7 @@ class Broker:
         """
         task_id = task_id or str(uuid.uuid4())
         app = self.app
-        amqp = app.amqp
+        celery_amqp = app.amqp
         headers = {JOB_HEADER: job_id, **tracing.headers(trace_context)}
         if self.direct:
             routed = {
@@ -213,8 +247,8 @@ class Broker:
                 "headers": headers,
             }
         else:
-            routed = amqp.router.route({"queue": queue, "headers": headers}, stage, (), dict(payload))
-        message = amqp.create_task_message(
+            routed = celery_amqp.router.route({"queue": queue, "headers": headers}, stage, (), dict(payload))
+        message = celery_amqp.create_task_message(
             task_id,
             stage,
             (),
@@ -245,6 +279,9 @@ class Broker:
         )
         if options.get("priority") is not None:
             routed["priority"] = options["priority"]
+        confirmed = self.amqp_epoch is not None
+        if confirmed:
+            routed["mandatory"] = True
         with tracing.attached(trace_context):
             if fast:
                 target = routed.get("queue")
@@ -254,13 +291,29 @@ class Broker:
                     routed["declare"] = []
                 try:
                     producer = self._fast_producer()
-                    amqp.send_task_message(producer, stage, message, retry=False, **routed)
+                    if confirmed:
+                        rabbit.returns_of(producer)
+                    celery_amqp.send_task_message(producer, stage, message, retry=False, **routed)
                 except Exception:
                     self.drop_fast_connection()
                     raise
+                if confirmed:
+                    rabbit.check_returned(producer, [task_id])
                 return task_id
             with app.producer_or_acquire(None) as producer:
-                amqp.send_task_message(producer, stage, message, **routed)
+                if not confirmed:
+                    celery_amqp.send_task_message(producer, stage, message, **routed)
+                    return task_id
+                rabbit.returns_of(producer)
+                celery_amqp.send_task_message(producer, stage, message, **routed)
+                try:
+                    rabbit.check_returned(producer, [task_id])
+                except rabbit.Unroutable:
+                    # The relay's publish: a queue is gone (deleted by hand, a node
+                    # replaced). Declare them all and send once more.
+                    self.declare_all()
+                    celery_amqp.send_task_message(producer, stage, message, **routed)
+                    rabbit.check_returned(producer, [task_id])
         return task_id
 
     def publish_many(
@@ -299,6 +352,7 @@ class Broker:
         serializer = app.conf.task_serializer
         maxsize, maxlevels = repr_limits(app)
         delivery_mode = app.conf.task_default_delivery_mode
+        confirmed = self.amqp_epoch is not None  # RabbitMQ: a returned message failed
 
         def build(job: Outgoing) -> tuple[Outgoing, Any]:
             message = create(
@@ -317,10 +371,13 @@ class Broker:
         def send(producer: Any, job: Outgoing, message: Any) -> None:
             if sent_event:  # Celery sends it, with its task-sent event
                 queue = Queue(job.queue, Exchange(""), routing_key=job.queue)  # type: ignore[no-untyped-call]
-                amqp.send_task_message(producer, job.stage, message, retry=False, queue=queue, declare=[])
+                amqp.send_task_message(
+                    producer, job.stage, message, retry=False, queue=queue, declare=[], mandatory=confirmed
+                )
                 return
             producer.publish(
                 message.body,
+                mandatory=confirmed,
                 exchange="",
                 routing_key=job.queue,
                 serializer=serializer,
@@ -334,14 +391,19 @@ class Broker:
         with tracing.attached(trace_context):
             try:
                 producer = self._fast_producer()
-                if sent_event or not hasattr(producer, "batch"):
-                    # Task-sent events on, or kombu < 5.7 (no publish batch): every message
-                    # is built first and sent once ``ready`` returned, one Redis call each.
+                if sent_event or confirmed or not hasattr(producer, "batch"):
+                    # Task-sent events on, RabbitMQ (each publish confirmed), or kombu < 5.7
+                    # (no publish batch): every message is built first and sent once
+                    # ``ready`` returned, one call each.
                     built = [build(job) for job in jobs]
                     if ready is not None:
                         ready()
+                    if confirmed:
+                        rabbit.returns_of(producer)
                     for job, message in built:
                         send(producer, job, message)
+                    if confirmed:
+                        rabbit.check_returned(producer, [job.task_id for job in jobs])
                     return
                 with producer.batch(max_size=len(jobs) + 1):
                     for job in jobs:

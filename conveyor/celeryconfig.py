@@ -49,12 +49,19 @@ def celery_config(
       ``JobHandle.wait``), so they cost the backend nothing unless a chord counts them.
     * ``redis://`` brokers go through :mod:`conveyor.transport` (kombu's, minus a client
       object built per command).
+    * RabbitMQ (``broker_url`` ``amqp://``): publisher confirms, and every publish
+      ``mandatory`` (:mod:`conveyor.amqp`); Redis stays the result backend. Celery uses
+      per-consumer prefetch on quorum queues and ignores ``worker_disable_prefetch``, so
+      Conveyor's consumer keeps one unacknowledged delivery per pool slot itself
+      (:mod:`conveyor.slots`).
     * Task events are off unless ``task_events`` is set: about 0.5 ms of CPU per job in the
       worker's consumer, and the task-sent event a Redis publish per submit. Worker
       heartbeat events stay on, and Flower sends ``enable_events`` to every worker it
       sees, so its task views work without the setting.
     """
-    broker = settings.redis_url or PLACEHOLDER_BROKER
+    results = settings.redis_url or PLACEHOLDER_BROKER
+    broker = settings.resolved_broker_url() or PLACEHOLDER_BROKER
+    on_amqp = settings.broker_is_amqp()
     transport: dict[str, Any] = {
         "visibility_timeout": settings.visibility_timeout,
         "unacked_restore_interval": max(1.0, min(60.0, settings.visibility_timeout / 4)),
@@ -64,8 +71,9 @@ def celery_config(
     }
     config: dict[str, Any] = {
         "broker_url": broker,
-        "result_backend": broker,
-        "broker_transport_options": dict(transport),
+        "result_backend": results,
+        # kombu's AMQP transport takes its options as connection arguments.
+        "broker_transport_options": {"confirm_publish": True} if on_amqp else dict(transport),
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": settings.visibility_timeout,
         "broker_connection_retry_on_startup": True,
@@ -86,7 +94,8 @@ def celery_config(
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
-        "worker_disable_prefetch": True,
+        # Celery applies it to Redis only (and warns otherwise); see conveyor.slots.
+        "worker_disable_prefetch": not on_amqp,
         "worker_send_task_events": settings.task_events,
         "task_send_sent_event": settings.task_events,
         "worker_hijack_root_logger": False,

@@ -17,6 +17,7 @@ from kombu.entity import Queue
 from redis import Redis
 from sqlalchemy import Connection, Engine
 
+from conveyor.amqp import AmqpEpoch
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db.dialect import is_sqlite
@@ -50,10 +51,12 @@ class Connections:
             cooldown=settings.submit_redis_cooldown,
         )
 
-    def bind(self, *, redis_url: str, database_url: str) -> None:
+    def bind(self, *, redis_url: str, database_url: str, broker_url: str | None = None) -> None:
         """Point the connections (and the Celery app) at concrete services."""
         self.settings = self.settings.with_urls(redis_url, database_url)
-        self.app.conf.update(broker_url=redis_url, result_backend=redis_url)
+        if broker_url is not None:
+            self.settings = self.settings.model_copy(update={"broker_url": broker_url})
+        self.app.conf.update(broker_url=self.settings.resolved_broker_url(), result_backend=redis_url)
         self.reset()
 
     def reset(self) -> None:
@@ -138,6 +141,11 @@ class Connections:
                 self.settings.key_prefix,
                 fast=self.fast,
                 direct=self.direct,
+                amqp_epoch=(
+                    AmqpEpoch(self.settings.key_prefix, lambda: self.engine)
+                    if self.settings.broker_is_amqp()
+                    else None
+                ),
             )
         return self._broker
 

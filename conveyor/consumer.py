@@ -26,8 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
+from vine import promise
 
 from conveyor.celeryconfig import CELERY_DEFAULT_QUEUE
+from conveyor.slots import Slots
 
 log = logging.getLogger("conveyor.consumer")
 
@@ -51,7 +53,34 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     to refuse: it goes back untouched (see :meth:`_left_to_others`).
     """
 
+    class Blueprint(CeleryConsumer.Blueprint):  # type: ignore[misc]
+        """Celery's consumer steps without native delayed delivery: Conveyor delays jobs in
+        Postgres and never publishes a countdown, and on RabbitMQ that step would bind
+        every queue to 28 delay exchanges (and warn that a direct exchange cannot use them)."""
+
+        default_steps = [
+            step for step in CeleryConsumer.Blueprint.default_steps if not step.endswith(":DelayedDelivery")
+        ]
+
     _away_from_default = False  # stepped back from the default queue, coming back on a timer
+    _slots: Slots | None = None  # RabbitMQ: one unacknowledged delivery per pool slot
+
+    def create_task_handler(self, promise: Any = promise) -> Callable[[Any], Any]:
+        """Celery's handler of task messages; on RabbitMQ behind :class:`Slots`."""
+        handler: Callable[[Any], Any] = super().create_task_handler(promise)
+        if self.connection.transport.driver_type != "amqp":
+            return handler
+        if self._slots is None:
+            self._slots = Slots(self)
+        slots = self._slots
+        slots.start()
+
+        def on_task_received(message: Any) -> Any:
+            if slots.admit(message):
+                return handler(message)
+            return None
+
+        return on_task_received
 
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         """Celery's teardown of the lost connection, with its ``collect()`` no longer
@@ -73,6 +102,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         """
         recoverable = (*self.connection_errors, *self.channel_errors)
 
+        slots = self._slots
+
         def ack() -> None:
             try:
                 p(*args, **kwargs)
@@ -81,6 +112,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             except Exception as exc:
                 log.warning(ACK_FAILED, exc)
                 log.debug("ack failure", exc_info=True)
+            if slots is not None:
+                slots.resume()  # the slot this delivery held is free
 
         return super().call_soon_ack(ack)
 

@@ -210,9 +210,10 @@ class Platform:
         """A connection for single-statement writes (see :meth:`Connections.autocommit`)."""
         return self.connections.autocommit()
 
-    def bind(self, *, redis_url: str, database_url: str) -> None:
-        """Point the platform (and the Celery app) at concrete services."""
-        self.connections.bind(redis_url=redis_url, database_url=database_url)
+    def bind(self, *, redis_url: str, database_url: str, broker_url: str | None = None) -> None:
+        """Point the platform (and the Celery app) at concrete services (``broker_url``:
+        RabbitMQ's, if given; otherwise the broker stays as configured)."""
+        self.connections.bind(redis_url=redis_url, database_url=database_url, broker_url=broker_url)
 
     def reset(self) -> None:
         """Forget connections (after fork, or after :meth:`bind`)."""

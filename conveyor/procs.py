@@ -19,6 +19,10 @@ def service_env(settings: ConveyorSettings, extra: Mapping[str, str] | None = No
     assert settings.redis_url and settings.database_url
     env["CONVEYOR_REDIS_URL"] = settings.redis_url
     env["CONVEYOR_DATABASE_URL"] = settings.database_url
+    if settings.broker_url:
+        env["CONVEYOR_BROKER_URL"] = settings.broker_url
+    else:
+        env.pop("CONVEYOR_BROKER_URL", None)  # the Redis URL is the broker, as in this process
     env["CONVEYOR_HOME"] = str(settings.resolved_home())
     env["PYTHONUNBUFFERED"] = "1"  # logs reach the file as they happen (kills lose nothing)
     # The deployment is imported from its directory, whatever the child's working directory

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from sqlalchemy import Connection, update
 
+from conveyor.amqp import Unroutable
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.dialect import database_clock
@@ -168,7 +169,7 @@ class Recorder:
                 trace_context=new.trace_context,
             )
         except Exception as exc:
-            if fast:
+            if fast and not isinstance(exc, Unroutable):  # a missing queue is no Redis trouble
                 connections.fast.trip(type(exc).__name__)
                 log.info("publish of job %s deferred to the relay: %s", new.id, exc)
             else:

@@ -48,6 +48,18 @@ class ConveyorSettings(BaseSettings):
     home: Path = Path(".conveyor")
     redis_url: str | None = None
     database_url: str | None = None
+    broker_url: str | None = Field(
+        None,
+        description="Celery's broker when it is not Redis: amqp://user:pass@host/vhost for RabbitMQ "
+        "(durable quorum queues, publisher confirms); default: redis_url. Redis stays for "
+        "Conveyor's fast paths and as the result backend",
+    )
+    broker_consumer_timeout: float = Field(
+        1800.0,
+        gt=0,
+        description="RabbitMQ's consumer_timeout (its default, 30 min): the broker closes a "
+        "channel holding a delivery unacked this long, so every time limit stays below it",
+    )
     key_prefix: str = Field("conveyor:", description="prefix of Conveyor's own Redis keys")
     app: str = Field("config.celery_app", description="module holding the Celery app and platform")
     root: Path | None = Field(
@@ -161,15 +173,33 @@ class ConveyorSettings(BaseSettings):
     def _limits_below_visibility(self) -> ConveyorSettings:
         limits: list[tuple[str, float]] = [("default", self.default_time_limit)]
         limits += [(n, o.time_limit) for n, o in self.stages.items() if o.time_limit is not None]
+        what, bound = self.redelivery_bound()
         for name, limit in limits:
-            if limit >= self.visibility_timeout:
+            if limit >= bound:
                 raise ValueError(
-                    f"stage {name!r}: hard time limit {limit}s must be below the visibility "
-                    f"timeout {self.visibility_timeout}s, or the broker redelivers it while it runs"
+                    f"stage {name!r}: hard time limit {limit}s must be below the {what} "
+                    f"{bound}s, or the broker redelivers it while it runs"
                 )
         if self.heartbeat_interval >= self.lease_timeout:
             raise ValueError("heartbeat_interval must be shorter than lease_timeout")
         return self
+
+    def resolved_broker_url(self) -> str | None:
+        """Celery's broker: ``broker_url``, else the Redis URL."""
+        return self.broker_url or self.redis_url
+
+    def broker_is_amqp(self) -> bool:
+        """Whether Celery's broker is RabbitMQ (an ``amqp://``/``amqps://``/``pyamqp://`` URL)."""
+        url = self.broker_url or ""
+        return url.split("://", 1)[0] in ("amqp", "amqps", "pyamqp")
+
+    def redelivery_bound(self) -> tuple[str, float]:
+        """What makes the broker hand a long-running job's message to another worker, and
+        after how long: Redis's visibility timeout, or RabbitMQ's consumer timeout (it
+        closes the channel, and the message goes back to its queue)."""
+        if self.broker_is_amqp():
+            return "broker consumer timeout", self.broker_consumer_timeout
+        return "visibility timeout", self.visibility_timeout
 
     def stage_override(self, name: str) -> StageOverride:
         """Return the deployment's overrides for stage ``name`` (empty if none)."""

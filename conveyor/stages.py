@@ -58,10 +58,10 @@ class Stages(dict[str, StageSpec]):
         # The soft limit must fire before the hard one, whatever was declared.
         declared_soft = override.soft_time_limit or soft_time_limit or settings.default_soft_time_limit
         soft = min(declared_soft, hard * 0.9)
-        if hard >= settings.visibility_timeout:
+        what, bound = settings.redelivery_bound()
+        if hard >= bound:
             raise ConfigurationError(
-                f"stage {name}: hard time limit {hard}s must be below the visibility timeout "
-                f"{settings.visibility_timeout}s"
+                f"stage {name}: hard time limit {hard}s must be below the {what} {bound}s"
             )
         attempts = override.max_attempts or max_attempts or settings.default_max_attempts
 

@@ -19,6 +19,13 @@ import pytest
 # integration tests run in those projects' own directories and sessions.
 collect_ignore_glob = ["projects/*"]
 
+# CONVEYOR_TEST_BROKER=amqp: the session runs with RabbitMQ as Celery's broker, in a vhost of
+# its own on the machine's node (Redis stays for Conveyor's keys and results). tests/rabbit
+# holds what only RabbitMQ has; .ci/run runs it with a subset of the other tiers.
+ON_AMQP = os.environ.get("CONVEYOR_TEST_BROKER", "redis") == "amqp"
+if not ON_AMQP:
+    collect_ignore_glob.append("rabbit/*")
+
 REDIS_BASE = os.environ.get("CONVEYOR_TEST_REDIS", "redis://127.0.0.1:6379")
 PG_BASE = os.environ.get("CONVEYOR_TEST_PG", "postgresql://postgres@127.0.0.1:5432")
 
@@ -71,6 +78,9 @@ os.environ.update(FAST_TIMERS)
 os.environ["CONVEYOR_REDIS_URL"] = f"{REDIS_BASE}/{REDIS_DB}"
 os.environ["CONVEYOR_DATABASE_URL"] = f"{PG_BASE}/{TEST_DB}"
 os.environ["CONVEYOR_HOME"] = HOME
+AMQP_VHOST = f"conveyor_test_{os.getpid()}"
+if ON_AMQP:
+    os.environ["CONVEYOR_BROKER_URL"] = f"amqp://guest:guest@127.0.0.1:5672/{AMQP_VHOST}"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -111,6 +121,10 @@ def services(request: pytest.FixtureRequest) -> Iterator[None]:
         conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}" WITH (FORCE)')
         conn.execute(f'CREATE DATABASE "{TEST_DB}"')
     redis.Redis.from_url(os.environ["CONVEYOR_REDIS_URL"]).flushdb()
+    if ON_AMQP:
+        from tests.rabbit_support import create_vhost
+
+        create_vhost(AMQP_VHOST)
     from config.celery_app import platform
     from config.migrations import upgrade
 
@@ -118,6 +132,10 @@ def services(request: pytest.FixtureRequest) -> Iterator[None]:
     upgrade(platform.engine)
     yield
     platform.reset()
+    if ON_AMQP:
+        from tests.rabbit_support import delete_vhost
+
+        delete_vhost(AMQP_VHOST)
     with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{TEST_DB}" WITH (FORCE)')
 
