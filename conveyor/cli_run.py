@@ -284,7 +284,11 @@ def worker(
 
             state = StateCollector(platform.connections, [q.name for q in platform.queues])
             serve(metrics_port, str(platform.metrics.enable()), [state])
+        from conveyor.loop_probe import LoopTicks
         from conveyor.shutdown import BoundedShutdown
+
+        # `conveyor probe worker` reads what this step writes from the consumer's loop.
+        platform.app.steps["consumer"].add(LoopTicks)
 
         BoundedShutdown(platform.connections, flow=platform.flow).install()
         # The bound replaces Celery's soft phase of a cold shutdown (SIGQUIT stays immediate).
