@@ -302,8 +302,24 @@ def worker(
 
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def beat(ctx: typer.Context) -> None:
-    """Run celery beat (in-memory schedule state: no shelve file)."""
-    run_command(lambda: load_platform().app.start(["beat", "-l", "INFO", *ctx.args]))
+    """Run celery beat (in-memory schedule state: no shelve file), once in the cluster: it
+    fires only while it holds the beat lock (:mod:`conveyor.beat_lock`); a second beat
+    stands by until the first is gone."""
+
+    def main() -> int:
+        from conveyor.beat_lock import BeatLock
+
+        platform = load_platform()
+        lock = BeatLock(platform.settings)
+        lock.acquire()
+        lock.watch()
+        try:
+            platform.app.start(["beat", "-l", "INFO", *ctx.args])
+        finally:
+            lock.release()
+        return 0
+
+    run_command(main)
 
 
 def _flower_process(
