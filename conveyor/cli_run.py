@@ -323,7 +323,7 @@ def beat(ctx: typer.Context) -> None:
 
 
 def _flower_process(
-    settings: ConveyorSettings, *, port: int, password: str | None = None
+    settings: ConveyorSettings, *, port: int, password: str | None = None, address: str = "127.0.0.1"
 ) -> subprocess.Popen[bytes]:
     """Flower, read-only, behind basic auth, never persistent (its state file pickles).
 
@@ -336,7 +336,7 @@ def _flower_process(
     chosen = password or settings.flower_password
     password = chosen or secrets.token_urlsafe(12)
     shown = f" password [bold]{password}[/bold]" if not chosen else ""
-    console.print(f"Flower on http://127.0.0.1:{port} user [bold]{settings.flower_user}[/bold]{shown}")
+    console.print(f"Flower on http://{address}:{port} user [bold]{settings.flower_user}[/bold]{shown}")
     env = {k: v for k, v in service_env(settings).items() if not k.startswith("FLOWER_")}
     env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
     home = settings.resolved_home()
@@ -351,7 +351,7 @@ def _flower_process(
             settings.app,
             "flower",
             f"--port={port}",
-            "--address=127.0.0.1",
+            f"--address={address}",
             "--read_only=True",
             "--persistent=False",
             f"--conf={conf}",
@@ -367,6 +367,7 @@ def _flower_process(
 def flower(
     port: int = typer.Option(None, help="port (default: setting)"),
     password: str = typer.Option(None, help="basic-auth password (default: setting or random)"),
+    address: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 in a container)"),
 ) -> None:
     """Run Flower, read-only and behind basic auth (never ``--persistent``: it pickles)."""
 
@@ -375,7 +376,7 @@ def flower(
 
         platform = load_platform()
         proc = _flower_process(
-            platform.settings, port=port or platform.settings.flower_port, password=password
+            platform.settings, port=port or platform.settings.flower_port, password=password, address=address
         )
         signal.signal(signal.SIGTERM, lambda *_: stop(proc))
         try:
