@@ -99,6 +99,27 @@ class BeatLock:
         self._fd = fd
         return True
 
+    def held_anywhere(self) -> bool:
+        """Whether some beat holds the lock now (this process, or another anywhere)."""
+        if not self.on_postgres:
+            if self._fd is not None:
+                return True
+            if self._try_flock():
+                self.release()
+                return False
+            return True
+        conn = self._connect()
+        try:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+                " AND classid = %s AND objid = %s AND objsubid = 1",
+                (BEAT_LOCK >> 32, BEAT_LOCK & 0xFFFFFFFF),
+            ).fetchone()
+        finally:
+            conn.close()
+        return bool(row and row[0])
+
     def acquire(self) -> None:
         """Block until this process holds the lock; says once that it stands by."""
         said = False

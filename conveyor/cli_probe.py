@@ -4,12 +4,16 @@
 when one's event loop has not ticked for ``--max-age`` seconds (see
 :mod:`conveyor.loop_probe`); it reads files only, never the services, so a broker or
 database outage does not by itself make every worker fail at once.
+
+``conveyor probe beat`` passes when some beat holds the beat lock (this one, or another
+while this one stands by: see :mod:`conveyor.beat_lock`), so that the schedule fires.
 """
 
 from __future__ import annotations
 
 import typer
 
+from conveyor.beat_lock import BeatLock
 from conveyor.cli_common import cli
 from conveyor.loop_probe import check
 from conveyor.settings import ConveyorSettings
@@ -28,3 +32,15 @@ def probe_worker(
     ok, reason = check(ConveyorSettings().resolved_home(), max_age)
     typer.echo(reason, err=not ok)
     raise typer.Exit(0 if ok else 1)
+
+
+@probe_cli.command("beat")
+def probe_beat() -> None:
+    """Whether a beat holds the beat lock, so the schedule fires (this beat or another)."""
+    try:
+        held = BeatLock(ConveyorSettings()).held_anywhere()
+    except Exception as exc:
+        typer.echo(f"could not read the beat lock: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo("ok: a beat holds the beat lock" if held else "no beat holds the beat lock", err=not held)
+    raise typer.Exit(0 if held else 1)

@@ -112,3 +112,17 @@ def test_watchdog_stops_a_beat_whose_lock_session_is_gone(platform: Any) -> None
     finally:
         lock.release()
         other.release()
+
+
+def test_probe_beat_tells_whether_a_beat_holds_the_lock(platform: Any) -> None:
+    env = service_env(platform.settings)
+    command = [sys.executable, "-m", "conveyor", "probe", "beat"]
+    free = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+    assert free.returncode == 1 and "no beat holds" in free.stderr
+    lock = BeatLock(platform.settings)
+    assert lock.try_acquire()
+    try:
+        held = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+        assert held.returncode == 0, held.stderr
+    finally:
+        lock.release()
