@@ -36,7 +36,9 @@ BEAT_LOCK = 0x62656174  # "beat"
 
 def _exit_now() -> None:
     """Stop this beat: SIGTERM (Celery beat exits on it), and exit hard if it did not."""
-    os.kill(os.getpid(), signal.SIGTERM)
+    # To the main thread itself: a signal taken by this thread would wait for beat's sleep
+    # (up to its max interval) to end before Python ran the handler.
+    signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGTERM)
     timer = threading.Timer(10.0, os._exit, (3,))
     timer.daemon = True
     timer.start()

@@ -126,3 +126,28 @@ def test_probe_beat_tells_whether_a_beat_holds_the_lock(platform: Any) -> None:
         assert held.returncode == 0, held.stderr
     finally:
         lock.release()
+
+
+def test_a_beat_whose_lock_session_ends_stops_firing(
+    platform: Any, beats: list[tuple[subprocess.Popen[bytes], Path]]
+) -> None:
+    """A real ``conveyor beat``: Postgres ends its lock's session (as it does a client it
+    finds dead); the beat exits instead of firing on without the lock, and the standby
+    takes over."""
+    deadline = time.monotonic() + 30
+    while not any(STARTED in _text(log) for _, log in beats) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (first, first_log), (second, second_log) = sorted(beats, key=lambda b: STARTED not in _text(b[1]))
+    wait_log(second_log, second, STANDING_BY)
+    url = platform.settings.database_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(url, autocommit=True, application_name="test") as admin:
+        ended = admin.execute(
+            "SELECT pg_terminate_backend(l.pid) FROM pg_locks l JOIN pg_stat_activity a USING (pid)"
+            " WHERE l.locktype = 'advisory' AND l.granted AND l.objid = %s"
+            " AND a.datname = current_database()",
+            (BEAT_LOCK & 0xFFFFFFFF,),
+        ).fetchall()
+    assert ended == [(True,)]
+    assert first.wait(timeout=20) == 0, _text(first_log)[-3000:]
+    assert "lost the beat lock" in _text(first_log)
+    wait_log(second_log, second, STARTED, timeout=15)
