@@ -13,6 +13,7 @@ import typer
 
 from conveyor import cli_output as out
 from conveyor import (
+    cli_probe,  # noqa: F401  (registers probe)
     cli_run,  # noqa: F401  (registers up, worker, beat, flower and demo)
     cli_top,  # noqa: F401  (registers top)
     cli_web,  # noqa: F401  (registers serve, openapi, tokens and stages)

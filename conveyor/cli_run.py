@@ -284,7 +284,11 @@ def worker(
 
             state = StateCollector(platform.connections, [q.name for q in platform.queues])
             serve(metrics_port, str(platform.metrics.enable()), [state])
+        from conveyor.loop_probe import LoopTicks
         from conveyor.shutdown import BoundedShutdown
+
+        # `conveyor probe worker` reads what this step writes from the consumer's loop.
+        platform.app.steps["consumer"].add(LoopTicks)
 
         BoundedShutdown(platform.connections, flow=platform.flow).install()
         # The bound replaces Celery's soft phase of a cold shutdown (SIGQUIT stays immediate).
@@ -298,12 +302,28 @@ def worker(
 
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def beat(ctx: typer.Context) -> None:
-    """Run celery beat (in-memory schedule state: no shelve file)."""
-    run_command(lambda: load_platform().app.start(["beat", "-l", "INFO", *ctx.args]))
+    """Run celery beat (in-memory schedule state: no shelve file), once in the cluster: it
+    fires only while it holds the beat lock (:mod:`conveyor.beat_lock`); a second beat
+    stands by until the first is gone."""
+
+    def main() -> int:
+        from conveyor.beat_lock import BeatLock
+
+        platform = load_platform()
+        lock = BeatLock(platform.settings)
+        lock.acquire()
+        lock.watch()
+        try:
+            platform.app.start(["beat", "-l", "INFO", *ctx.args])
+        finally:
+            lock.release()
+        return 0
+
+    run_command(main)
 
 
 def _flower_process(
-    settings: ConveyorSettings, *, port: int, password: str | None = None
+    settings: ConveyorSettings, *, port: int, password: str | None = None, address: str = "127.0.0.1"
 ) -> subprocess.Popen[bytes]:
     """Flower, read-only, behind basic auth, never persistent (its state file pickles).
 
@@ -316,7 +336,7 @@ def _flower_process(
     chosen = password or settings.flower_password
     password = chosen or secrets.token_urlsafe(12)
     shown = f" password [bold]{password}[/bold]" if not chosen else ""
-    console.print(f"Flower on http://127.0.0.1:{port} user [bold]{settings.flower_user}[/bold]{shown}")
+    console.print(f"Flower on http://{address}:{port} user [bold]{settings.flower_user}[/bold]{shown}")
     env = {k: v for k, v in service_env(settings).items() if not k.startswith("FLOWER_")}
     env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{password}"
     home = settings.resolved_home()
@@ -331,7 +351,7 @@ def _flower_process(
             settings.app,
             "flower",
             f"--port={port}",
-            "--address=127.0.0.1",
+            f"--address={address}",
             "--read_only=True",
             "--persistent=False",
             f"--conf={conf}",
@@ -347,6 +367,7 @@ def _flower_process(
 def flower(
     port: int = typer.Option(None, help="port (default: setting)"),
     password: str = typer.Option(None, help="basic-auth password (default: setting or random)"),
+    address: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0 in a container)"),
 ) -> None:
     """Run Flower, read-only and behind basic auth (never ``--persistent``: it pickles)."""
 
@@ -355,7 +376,7 @@ def flower(
 
         platform = load_platform()
         proc = _flower_process(
-            platform.settings, port=port or platform.settings.flower_port, password=password
+            platform.settings, port=port or platform.settings.flower_port, password=password, address=address
         )
         signal.signal(signal.SIGTERM, lambda *_: stop(proc))
         try:

@@ -1,10 +1,12 @@
 """``deploy/Procfile`` under honcho: its workers consume every declared queue, one job per
-queue succeeds, and SIGTERM to honcho ends every process it started (no orphaned pool
-children, no Flower left behind)."""
+queue succeeds, its web process answers ``/health``, its worker passes ``conveyor probe
+worker``, and SIGTERM to honcho ends every process it started (no orphaned pool children,
+no Flower left behind)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -40,13 +42,15 @@ FALLBACK = "conveyor.demo.noop"
 
 
 class Run(NamedTuple):
-    """A running ``honcho start``: its process, its log, the worker's metrics port, and
-    the ``NAME=value`` environment entry every process of the run carries."""
+    """A running ``honcho start``: its process, its log, the worker's metrics port, the
+    ``NAME=value`` environment entry every process of the run carries, and the HTTP API's
+    port."""
 
     proc: subprocess.Popen[bytes]
     log: Path
     metrics_port: int
     marker: bytes
+    http_port: int
 
 
 def free_port() -> int:
@@ -127,6 +131,7 @@ def honcho(platform: Any, tmp_path: Path, tag: str) -> Iterator[Run]:
     services and timers, with free ports; whatever is left of it is killed afterwards."""
     log = tmp_path / "honcho.log"
     metrics_port = free_port()
+    http_port = free_port()
     marker = f"CONVEYOR_TEST_PROCFILE_RUN={tag}".encode()
     env = service_env(
         platform.settings,
@@ -134,6 +139,7 @@ def honcho(platform: Any, tmp_path: Path, tag: str) -> Iterator[Run]:
             "CONVEYOR_TEST_PROCFILE_RUN": tag,  # every process of the run inherits it
             "CONVEYOR_FLOWER_PORT": str(free_port()),
             "CONVEYOR_METRICS_PORT": str(metrics_port),
+            "CONVEYOR_HTTP_PORT": str(http_port),
             "CONVEYOR_WORKER_CONCURRENCY": "2",
             # The Procfile runs `conveyor`: this venv's, even when it is not activated.
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
@@ -150,7 +156,7 @@ def honcho(platform: Any, tmp_path: Path, tag: str) -> Iterator[Run]:
             start_new_session=True,
         )
     try:
-        yield Run(proc, log, metrics_port, marker)
+        yield Run(proc, log, metrics_port, marker, http_port)
     finally:
         groups = {st[1] for pid in descendants(proc.pid) if (st := _stat(pid)) is not None}
         for pgid in groups | {proc.pid}:
@@ -166,7 +172,7 @@ def honcho(platform: Any, tmp_path: Path, tag: str) -> Iterator[Run]:
 def test_procfile_consumes_every_declared_queue_and_stops_cleanly(
     platform: Any, honcho: Run, tag: str
 ) -> None:
-    proc, log, metrics_port, marker = honcho
+    proc, log, metrics_port, marker, http_port = honcho
     wait_ready(log, proc)
     wait_for(log, proc, "beat: Starting")
     wait_for(log, proc, "Visit me at")  # Flower's own start-up line
@@ -194,9 +200,26 @@ def test_procfile_consumes_every_declared_queue_and_stops_cleanly(
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
         assert resp.status == 200
 
+    # The web process: the HTTP API's health (the database answers, Conveyor's tables exist).
+    def health() -> Any:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/health", timeout=5) as resp:
+                return resp.status, json.loads(resp.read())
+        except OSError:  # not listening yet (urllib's errors are OSErrors)
+            return None
+
+    assert eventually(health, timeout=20) == (200, {"status": "ok"})
+
+    # The worker's probe, as a container runs it: its consumer loop ticks.
+    env = service_env(platform.settings)
+    probe = subprocess.run(
+        [sys.executable, "-m", "conveyor", "probe", "worker"], env=env, capture_output=True, text=True
+    )
+    assert probe.returncode == 0, probe.stderr
+
     procs = descendants(proc.pid)
     groups = {st[1] for pid in procs if (st := _stat(pid)) is not None} - {os.getpgid(0)}
-    assert len(groups) >= 3  # worker, beat, flower (honcho gives each its own session)
+    assert len(groups) >= 4  # web, worker, beat, flower (honcho gives each its own session)
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
@@ -204,7 +227,7 @@ def test_procfile_consumes_every_declared_queue_and_stops_cleanly(
     # Not asserted for Flower: `conveyor flower` blocks in its SIGTERM handler (it waits
     # for its child inside `proc.wait()`), so honcho kills it; its child has already
     # been told to stop, and the check below still finds nothing left behind.
-    for name in ("worker", "beat"):
+    for name in ("web", "worker", "beat"):
         assert f"sending SIGKILL to {name}" not in log.read_text(), log.read_text()[-3000:]
     deadline = time.monotonic() + 10
     while (left := survivors(marker, procs, groups)) and time.monotonic() < deadline:

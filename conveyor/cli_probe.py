@@ -1,0 +1,46 @@
+"""``conveyor probe``: exit 0 or 1 for a container's liveness and readiness probes.
+
+``conveyor probe worker`` fails when no worker of ``$CONVEYOR_HOME`` runs a consumer, or
+when one's event loop has not ticked for ``--max-age`` seconds (see
+:mod:`conveyor.loop_probe`); it reads files only, never the services, so a broker or
+database outage does not by itself make every worker fail at once.
+
+``conveyor probe beat`` passes when some beat holds the beat lock (this one, or another
+while this one stands by: see :mod:`conveyor.beat_lock`), so that the schedule fires.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from conveyor.beat_lock import BeatLock
+from conveyor.cli_common import cli
+from conveyor.loop_probe import check
+from conveyor.settings import ConveyorSettings
+
+probe_cli = typer.Typer(help="Health probes for containers (exit 0: healthy, 1: not).", no_args_is_help=True)
+cli.add_typer(probe_cli, name="probe")
+
+
+@probe_cli.command("worker")
+def probe_worker(
+    max_age: float = typer.Option(
+        30.0, min=1.0, help="fail when a worker's consumer loop has not ticked for this many seconds"
+    ),
+) -> None:
+    """Whether this host's (container's) workers are consuming: their loops tick."""
+    ok, reason = check(ConveyorSettings().resolved_home(), max_age)
+    typer.echo(reason, err=not ok)
+    raise typer.Exit(0 if ok else 1)
+
+
+@probe_cli.command("beat")
+def probe_beat() -> None:
+    """Whether a beat holds the beat lock, so the schedule fires (this beat or another)."""
+    try:
+        held = BeatLock(ConveyorSettings()).held_anywhere()
+    except Exception as exc:
+        typer.echo(f"could not read the beat lock: {exc}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo("ok: a beat holds the beat lock" if held else "no beat holds the beat lock", err=not held)
+    raise typer.Exit(0 if held else 1)

@@ -1,0 +1,1 @@
+"""The deploy/ files (compose, Procfile, Kubernetes) and the probes they rely on."""
