@@ -6,72 +6,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
 
-from config.migrations import upgrade
-from conveyor import registry
-from conveyor.client import Client
 from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
-from tasks.demo.models import effects
 from tests.fault.conftest import Spawn
-from tests.helpers import eventually, scratch_database, scratch_redis
-from tests.rabbit_support import PrivateRabbit, ctl, queue_stats
+from tests.helpers import eventually
+from tests.rabbit.conftest import Cluster
+from tests.rabbit_support import ctl, queue_stats
 
 pytestmark = pytest.mark.rabbitmq
-
-
-@dataclass
-class Cluster:
-    """A private node, a scratch database and Redis DB, and a client of them."""
-
-    node: PrivateRabbit
-    settings: Any
-    client: Client
-
-    def effects(self, note: str) -> int:
-        with self.client.connections.engine.connect() as conn:
-            return int(conn.execute(select(func.count()).where(effects.c.note == note)).scalar_one())
-
-    def submit(self, tag: str, n: int, **payload: Any) -> list[Any]:
-        return [
-            self.client.submit("conveyor.demo.effect", {"note": f"{tag}-{i}", **payload}) for i in range(n)
-        ]
-
-    def all_once(self, handles: list[Any], tag: str, timeout: float = 120.0) -> None:
-        for handle in handles:
-            assert handle.wait(timeout) == s.SUCCEEDED, handle.row()
-        counts = [self.effects(f"{tag}-{i}") for i in range(len(handles))]
-        assert counts == [1] * len(handles), counts
-
-
-@pytest.fixture(scope="module")
-def cluster(services: None) -> Iterator[Cluster]:
-    from config.celery_app import platform
-
-    node = PrivateRabbit()
-    node.start(first=True)
-    try:
-        with scratch_database("conveyor_rabbit") as db, scratch_redis() as redis_url:
-            engine = make_engine(db)
-            upgrade(engine)
-            registry.refresh(engine, platform.stages.values())  # what a client submits by name
-            engine.dispose()
-            settings = platform.settings.model_copy(
-                update={"broker_url": node.url, "redis_url": redis_url, "database_url": db}
-            )
-            client = Client(settings)
-            try:
-                yield Cluster(node, settings, client)
-            finally:
-                client.close()
-    finally:
-        node.close()
 
 
 def _start(spawn: Spawn, cluster: Cluster, concurrency: int = 2, **env: str) -> Any:
