@@ -139,3 +139,19 @@ def test_skewed_submitters_end_no_dedup_window_early(platform: Any, tag: str) ->
     assert TTL - 15 < _expires_in(platform, f"{tag}-c") <= TTL
     assert here(f"{tag}-c") == third
     assert len({first, second, third}) == 3
+
+
+BEAT = """
+from config.celery_app import platform
+platform.deliveries.beat("{worker}")
+"""
+
+
+def test_a_skewed_workers_liveness_beat_is_on_redis_clock(platform: Any, tag: str) -> None:
+    """The relay copies the jobs published while a dead worker was dying, by its last beat
+    and the database's publish times: a beat on the worker's own clock would point 90 s off."""
+    worker = f"worker@ahead:{tag}"
+    run_in("ahead", {**TIMERS, **skewed(+SKEW)}, BEAT.format(worker=worker), platform.settings)
+    beat = float(platform.redis.hget(f"{platform.settings.key_prefix}workers", worker))
+    assert abs(beat - _redis_time(platform)) < 10
+    platform.deliveries.forget(worker)
