@@ -102,6 +102,10 @@ class Host:
         node = (lease_owner or "").partition(":")[0]
         return node.startswith(f"{self.hostname}/") and node.endswith(f"/{self.pid_namespace()}")
 
+    def wait_ready(self) -> None:
+        """Block until its worker is ready to take jobs."""
+        wait_ready(self.log, self.proc)
+
     def alive(self) -> bool:
         """Whether the host still runs."""
         return self.proc.poll() is None
@@ -137,9 +141,11 @@ class Hosts:
         concurrency: int = 2,
         env: Mapping[str, str] | None = None,
         nodename: str = "worker@%h",
+        wait: bool = True,
     ) -> Host:
-        """Start a worker host named ``hostname`` and wait until it is ready. Celery's node
-        name defaults to the same on every host of one name, as in a real deployment."""
+        """Start a worker host named ``hostname`` and (unless not ``wait``) wait until it is
+        ready. Celery's node name defaults to the same on every host of one name, as in a
+        real deployment."""
         log = self.directory / f"host-{len(self.started)}-{hostname}.log"
         proc = start_worker(
             self.platform.settings,
@@ -152,7 +158,8 @@ class Hosts:
         )
         host = Host(hostname, proc, log)
         self.started.append(host)
-        wait_ready(log, proc)
+        if wait:
+            host.wait_ready()
         return host
 
     def close(self) -> None:

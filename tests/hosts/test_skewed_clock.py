@@ -17,13 +17,14 @@ from conveyor.db.schema import dedup_keys
 from conveyor.dedup import Dedup
 from tests.helpers import effect_count, eventually, job_row
 from tests.hosts.host import Hosts, clock_offset, needs_unshare, run_in, skewed
-from tests.hosts.jobs import held, release, started, takeovers
+from tests.hosts.jobs import running_for, started, story, takeovers
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fault, needs_unshare]
 
 SKEW = 90.0
 LEASE = 4.0
 TTL = 30.0  # the throttle window: a third of the skew
+RUN = 26.0  # each job's run: past the watch of three leases and the takeover that follows
 TIMERS = {
     "CONVEYOR_LEASE_TIMEOUT": str(LEASE),
     "CONVEYOR_WORKER_ALIVE_TTL": "2",
@@ -57,20 +58,26 @@ def test_skewed_hosts_take_over_no_live_lease_and_only_stale_ones_after_the_leas
     for env, offset in ((ahead, SKEW), (behind, -SKEW)):  # the premise: the clocks are off
         assert abs(clock_offset(env, _redis_time(platform)) - offset) < 10
     roles = {"ahead": {**TIMERS, **ahead}, "behind": {**TIMERS, **behind}, "normal": TIMERS}
-    on: dict[str, list[str]] = {}
-    for n, (name, env) in enumerate(roles.items(), start=1):
-        host = hosts.start(name, concurrency=2, env=env)
-        on[name] = [held(platform, tag, f"{tag}-{name}{i}").id for i in range(2)]
-        started(platform, tag, 2 * n)
-        assert all(host.owns(job_row(platform, j)["lease_owner"]) for j in on[name])
-    every = [j for jobs in on.values() for j in jobs]
+    started_hosts = {
+        name: hosts.start(name, concurrency=2, env=env, wait=False) for name, env in roles.items()
+    }
+    for host in started_hosts.values():
+        host.wait_ready()
+    # Six slots, six jobs: each host runs two (it takes a message only into a free slot).
+    every = [running_for(platform, tag, f"{tag}-{i}", RUN).id for i in range(6)]
+    started(platform, tag, 6)
+    on = {
+        name: [j for j in every if host.owns(job_row(platform, j)["lease_owner"])]
+        for name, host in started_hosts.items()
+    }
+    assert [len(jobs) for jobs in on.values()] == [2, 2, 2], story(platform, every)
 
-    # Five leases long, every host's relay reconciles in turn: nothing is taken over.
+    # Three leases long, every host's relay reconciles in turn: nothing is taken over.
     relays: set[int] = set()
-    watch = time.monotonic() + 5 * LEASE
+    watch = time.monotonic() + 3 * LEASE
     while time.monotonic() < watch:
         rows = [job_row(platform, j) for j in every]
-        assert [(r["status"], r["attempts"]) for r in rows] == [(s.RUNNING, 1)] * 6
+        assert [(r["status"], r["attempts"]) for r in rows] == [(s.RUNNING, 1)] * 6, story(platform, every)
         offset = _relay_clock(platform)
         if offset is not None:
             relays.add(round(offset / SKEW))
@@ -78,19 +85,19 @@ def test_skewed_hosts_take_over_no_live_lease_and_only_stale_ones_after_the_leas
     assert relays == {-1, 0, 1}, relays  # the skewed relays did pass
 
     # The normal host dies: the skewed relays take its jobs over after the lease, no sooner.
-    normal = hosts.started[-1]
-    normal.kill()
+    started_hosts["normal"].kill()
     beat = {j: job_row(platform, j)["heartbeat_at"] for j in on["normal"]}
     for job_id in on["normal"]:
         taken = eventually(lambda job_id=job_id: takeovers(platform, job_id), timeout=30)
         waited = taken[0] - beat[job_id]
         assert dt.timedelta(seconds=LEASE) <= waited < dt.timedelta(seconds=LEASE + 15), waited
-    assert [job_row(platform, j)["attempts"] for j in on["ahead"] + on["behind"]] == [1] * 4
+    skewed_jobs = on["ahead"] + on["behind"]
+    rows = [job_row(platform, j) for j in skewed_jobs]
+    assert [(r["status"], r["attempts"]) for r in rows] == [(s.RUNNING, 1)] * 4, story(platform, every)
 
-    release(platform, tag)
     for job_id in every:
-        eventually(lambda job_id=job_id: job_row(platform, job_id)["status"] == s.SUCCEEDED, timeout=90)
-    assert [job_row(platform, j)["attempts"] for j in every] == [1, 1, 1, 1, 2, 2]
+        eventually(lambda job_id=job_id: job_row(platform, job_id)["status"] == s.SUCCEEDED, timeout=3 * RUN)
+    assert [job_row(platform, j)["attempts"] for j in skewed_jobs + on["normal"]] == [1, 1, 1, 1, 2, 2]
     assert all(effect_count(platform, job_id=j) == 1 for j in every)
 
 
