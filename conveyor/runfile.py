@@ -135,14 +135,13 @@ def local_node() -> str:
     enough: the root namespace has the same inode on every Linux machine, and two hosts
     may share a name (pods with host networking); containers on one kernel share its boot
     id but not their namespaces. Where either cannot be read, or ``/proc`` is not this
-    namespace's, the node is private to this process and its forks: no other process
-    judges its pids, and a lease it held is taken over only when it goes stale.
+    namespace's, the node is one of its own that no pid is judged by: a lease held there
+    is taken over only once it is stale.
     """
     return _node(os.getpid())
 
 
-# Drawn once per import, so a worker's forked pool children share it (they share the
-# PID namespace too); any other process has its own.
+# A node nobody else names (drawn once per import; a worker's pool children share it).
 _PRIVATE = f"x{uuid.uuid4().hex[:16]}"
 
 
@@ -176,7 +175,7 @@ def local_pid(owner: str) -> int | None:
     private node, an owner written in an older format, or text that is not an owner."""
     node, _, rest = owner.partition(":")
     pid_text = rest.partition(":")[0]
-    if node != local_node() or not pid_text.isdigit():
+    if node != local_node() or node.endswith(f"/{_PRIVATE}") or not pid_text.isdigit():
         return None
     return int(pid_text)
 

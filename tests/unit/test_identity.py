@@ -66,3 +66,21 @@ def test_a_fresh_pid_namespace_with_the_same_name_is_another_node() -> None:
     theirs = out.stdout.strip()
     assert theirs.split("/")[:2] == local_node().split("/")[:2]  # same name, same kernel
     assert theirs != local_node()
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux)")
+def test_a_process_whose_proc_is_not_its_own_judges_no_pid() -> None:
+    # A new PID namespace without its own /proc: /proc/self names another process.
+    code = (
+        "from conveyor.runfile import local_node, local_pid, owner_id; "
+        "print(local_node(), local_pid(owner_id()), local_pid(owner_id(12345)))"
+    )
+    out = subprocess.run(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    if out.returncode != 0 and "Operation not permitted" in out.stderr:
+        pytest.skip(f"unshare is not permitted here: {out.stderr.strip()}")
+    assert out.returncode == 0, out.stderr
+    node, own, other = out.stdout.split()
+    assert node.split("/")[0] == socket.gethostname()[:64] and node.split("/")[1].startswith("x")
+    assert node.count("/") == 1 and (own, other) == ("None", "None")
