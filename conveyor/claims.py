@@ -2,10 +2,11 @@
 
 A claim wins from ``queued``/``retrying``/``throttled`` when the job is due, unexpired and
 not cancelled, or takes over from ``running`` when the owner is known dead: a process of
-this host that is gone, or a lease that went stale while the database was reachable
-(:mod:`conveyor.liveness`). Every attempt starts by checking the job's cancel request and
-expiry, and with no stop request of the attempt before it. ``attempts`` is the fencing
-token and grows on every claim; ``uncounted`` counts the claims that did not count.
+this node (host, boot and PID namespace) that is gone, or a lease that went stale while
+the database was reachable (:mod:`conveyor.liveness`). Every attempt starts by checking
+the job's cancel request and expiry, and with no stop request of the attempt before it.
+``attempts`` is the fencing token and grows on every claim; ``uncounted`` counts the
+claims that did not count.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, pg_statements
 from conveyor.db.schema import Row, job_events, jobs, new_event
 from conveyor.liveness import takeovers_allowed
-from conveyor.runfile import pid_alive
+from conveyor.runfile import local_pid, pid_alive
 
 
 class ClaimOutcome(Enum):
@@ -132,7 +133,7 @@ class Claims:
             return Claim(ClaimOutcome.TERMINAL, current)
         if status == s.RUNNING:
             mine = current["lease_owner"] == owner
-            if not mine and not self._owner_gone(conn, current, owner):
+            if not mine and not self._owner_gone(conn, current):
                 return Claim(ClaimOutcome.LIVE_LEASE, current)
             body = {"while": "takeover", "previous_owner": current["lease_owner"]}
             stopped = self.end_if_stopped(conn, current, body=body)
@@ -147,10 +148,10 @@ class Claims:
             return Claim(ClaimOutcome.TERMINAL, self.get(conn, job_id))
         return Claim(ClaimOutcome.NOT_DUE, current)
 
-    def _owner_gone(self, conn: Connection, current: RowMapping, me: str) -> bool:
-        """The running attempt's owner is known dead (a process of this host that no longer
+    def _owner_gone(self, conn: Connection, current: RowMapping) -> bool:
+        """The running attempt's owner is known dead (a process of this node that no longer
         exists) or its lease went stale while the database was reachable."""
-        if self.detect_local_dead_owners and _owner_dead(current["lease_owner"], me):
+        if self.detect_local_dead_owners and _owner_dead(current["lease_owner"]):
             return True
         return self._is_stale(conn, current["id"])
 
@@ -303,20 +304,15 @@ class Claims:
         return conn.execute(q).first() is not None
 
 
-def _owner_dead(lease_owner: str | None, me: str) -> bool:
-    """True when the lease belongs to a process of this node (host and PID namespace,
+def _owner_dead(lease_owner: str | None) -> bool:
+    """True when the lease belongs to a process of this node (host, boot and PID namespace,
     see ``conveyor.runfile.local_node``) that no longer exists.
 
     Lets a redelivered message take over at once after a pool child is killed, instead of
-    waiting a full lease timeout for the reconciler.
+    waiting a full lease timeout for the reconciler. Any other owner (another host, one of
+    the same name, an owner in an older format) is judged by its lease alone.
     """
     if not lease_owner:
         return True
-    host, _, rest = lease_owner.partition(":")
-    my_host = me.partition(":")[0]
-    if host != my_host:
-        return False
-    pid_text = rest.partition(":")[0]
-    if not pid_text.isdigit():
-        return False
-    return not pid_alive(int(pid_text))
+    pid = local_pid(lease_owner)
+    return pid is not None and not pid_alive(pid)

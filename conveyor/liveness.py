@@ -11,10 +11,11 @@ passed since then: long enough for every live holder to renew.
 set for the visibility timeout, or is gone altogether (a SIGKILLed process's socket stays
 open for a moment, and Redis answers its pending BRPOP with the next message pushed),
 while its job still looks queued. Each worker records every delivery (job id, time) in
-Redis before the claim, and refreshes a liveness key with the time of its last beat; the
-reconciler republishes at once, for a worker whose key expired, its still-unclaimed
-deliveries and the still-unclaimed jobs published while it was dying, instead of waiting
-for ``republish_after`` (which cannot tell a lost message from a long queue).
+Redis before the claim, and refreshes a liveness key with the time of its last beat (on
+Redis's clock: the worker's own may be off); the reconciler republishes at once, for a
+worker whose key expired, its still-unclaimed deliveries and the still-unclaimed jobs
+published while it was dying, instead of waiting for ``republish_after`` (which cannot
+tell a lost message from a long queue).
 """
 
 from __future__ import annotations
@@ -73,6 +74,16 @@ class Orphan:
     delivered: list[str]
 
 
+# KEYS: alive key, workers hash, deliveries; ARGV: TTL in ms, worker, trim deliveries before.
+_BEAT = """
+local t = redis.call('TIME')
+redis.call('SET', KEYS[1], '1', 'PX', ARGV[1])
+redis.call('HSET', KEYS[2], ARGV[2], t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
+return 1
+"""
+
+
 class Deliveries:
     """Per-worker delivery records and liveness keys in Redis."""
 
@@ -82,6 +93,7 @@ class Deliveries:
         self.alive_ttl = alive_ttl
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._beat: Any = None
 
     @property
     def beat_interval(self) -> float:
@@ -107,13 +119,17 @@ class Deliveries:
         self._redis().zadd(self._taken(worker), {job_id: time.time()})
 
     def beat(self, worker: str) -> None:
-        """Refresh the liveness key; forget deliveries old enough to have been claimed."""
+        """Refresh the liveness key; forget deliveries old enough to have been claimed.
+
+        The beat's time is Redis ``TIME``, not this host's clock: the relay compares it
+        with publish times on the database's clock, whatever the dead worker's clock said.
+        Deliveries are trimmed on this process's clock, which also wrote their scores."""
+        if self._beat is None:
+            self._beat = self._redis().register_script(_BEAT)
+        keys = [self._alive(worker), self._workers(), self._taken(worker)]
+        trim_before = time.time() - 6 * self.alive_ttl
         r = self._redis()
-        pipe = r.pipeline(transaction=False)
-        pipe.set(self._alive(worker), "1", px=int(self.alive_ttl * 1000))
-        pipe.hset(self._workers(), worker, repr(time.time()))
-        pipe.zremrangebyscore(self._taken(worker), "-inf", time.time() - 6 * self.alive_ttl)
-        pipe.execute()
+        self._beat(keys=keys, args=[int(self.alive_ttl * 1000), worker, repr(trim_before)], client=r)
 
     def start(self, worker: str) -> None:
         """Beat every quarter of the TTL in a daemon thread until :meth:`stop`."""

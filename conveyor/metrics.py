@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from conveyor.runfile import local_pid, owner_id, pid_alive
 from conveyor.settings import ConveyorSettings
 
 COUNTERS = (
@@ -40,10 +41,13 @@ class Metrics:
         expects of a restarted process), the directories of workers no longer running
         removed."""
         base = self.settings.metrics_dir or (self.settings.resolved_home() / "metrics")
-        directory = base / f"worker-{os.getpid()}"
+        # Named by the lease owner's node and pid: a directory shared by hosts (or pods,
+        # each with its worker as pid 1) holds one per worker, and only this node's are
+        # judged by their pids.
+        directory = base / f"worker-{owner_id().replace('/', '+')}"
         if base.is_dir():
             for old in base.glob("worker-*"):
-                if old != directory and not _alive(old.name.removeprefix("worker-")):
+                if old != directory and _gone(old.name.removeprefix("worker-")):
                     shutil.rmtree(old, ignore_errors=True)
         directory.mkdir(parents=True, exist_ok=True)
         # prometheus_client picks multiprocess mode from this variable when metrics are made;
@@ -68,17 +72,13 @@ class Metrics:
             self._runtime.labels(stage=stage).observe(seconds)
 
 
-def _alive(pid: str) -> bool:
-    """Whether process ``pid`` (a directory name's) still runs on this host."""
-    if not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def _gone(name: str) -> bool:
+    """Whether the worker a directory is named after no longer runs: a process of this
+    node that is gone, or (a name of an older release: its bare pid) a pid not running here."""
+    if name.isdigit():
+        return not pid_alive(int(name))
+    pid = local_pid(name.replace("+", "/"))
+    return pid is not None and not pid_alive(pid)
 
 
 def serve(port: int, directory: str, collectors: Sequence[Any] = ()) -> None:

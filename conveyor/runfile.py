@@ -16,6 +16,7 @@ import os
 import socket
 import tempfile
 import threading
+import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ __all__ = [
     "claim_run",
     "lease_owner",
     "local_node",
+    "local_pid",
     "owner_id",
     "pid_alive",
     "read_run_info",
@@ -39,6 +41,7 @@ __all__ = [
 
 RUN_FILE = "run.json"
 LOCK_FILE = "run.lock"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
 @dataclass(frozen=True)
@@ -125,26 +128,56 @@ def _is_zombie(pid: int) -> bool:
 
 
 def local_node() -> str:
-    """This host's name plus its PID namespace: processes of one node see each other's
-    pids. Containers that share the host's name (host networking) but not its PID
-    namespace are different nodes, so one never judges the other's pids."""
+    """This process's node: ``host/boot/pidns``, the processes whose pids it can judge.
+
+    ``boot`` is the kernel's boot id (random per boot, shared by every container on that
+    kernel) and ``pidns`` the inode of this process's PID namespace. Neither alone is
+    enough: the root namespace has the same inode on every Linux machine, and two hosts
+    may share a name (pods with host networking); containers on one kernel share its boot
+    id but not their namespaces. Where either cannot be read, or ``/proc`` is not this
+    namespace's, the node is one of its own that no pid is judged by: a lease held there
+    is taken over only once it is stale.
+    """
     return _node(os.getpid())
+
+
+# A node nobody else names (drawn once per import; a worker's pool children share it).
+_PRIVATE = f"x{uuid.uuid4().hex[:16]}"
 
 
 @functools.lru_cache(maxsize=4)
 def _node(_pid: int) -> str:
-    # Read once per process (every claim asks): a process keeps its host and namespace.
+    # Read once per process (every claim asks): a process keeps its host, boot and namespace.
+    host = socket.gethostname()[:64].replace(":", "_") or "unknown"
     try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            raise OSError("/proc belongs to another PID namespace")
         namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+        boot = Path(BOOT_ID).read_text(encoding="ascii").strip().replace("-", "")
     except OSError:
-        return socket.gethostname()
-    return f"{socket.gethostname()}/{namespace.strip('pid:[]')}"
+        return f"{host}/{_PRIVATE}"
+    inode = namespace.strip("pid:[]")
+    if len(boot) != 32 or not inode.isdigit():
+        return f"{host}/{_PRIVATE}"
+    return f"{host}/{boot[:16]}/{inode}"
 
 
 def owner_id(pid: int | None = None, thread: int | None = None) -> str:
-    """A lease owner: ``node:pid``, plus ``:thread`` for jobs run by a thread pool."""
+    """A lease owner: ``node:pid``, plus ``:thread`` for jobs run by a thread pool (see
+    :func:`local_node` for the node)."""
     owner = f"{local_node()}:{os.getpid() if pid is None else pid}"
     return f"{owner}:{thread}" if thread is not None else owner
+
+
+def local_pid(owner: str) -> int | None:
+    """The pid of ``owner`` (a lease owner) when it names a process of this very node, whose
+    pid this process can judge; None for any other: another host, boot or PID namespace, a
+    private node, an owner written in an older format, or text that is not an owner."""
+    node, _, rest = owner.partition(":")
+    pid_text = rest.partition(":")[0]
+    if node != local_node() or node.endswith(f"/{_PRIVATE}") or not pid_text.isdigit():
+        return None
+    return int(pid_text)
 
 
 def lease_owner() -> str:

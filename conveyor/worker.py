@@ -23,6 +23,7 @@ from conveyor.heartbeat import INTERRUPT_SIGNAL, Heartbeat
 from conveyor.liveness import Deliveries
 from conveyor.logs import configure_logging
 from conveyor.relay import Relay
+from conveyor.runfile import owner_id
 from conveyor.settings import ConveyorSettings
 from conveyor.shutdown import request_job_id
 from conveyor.stage import StageSpec
@@ -88,7 +89,9 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.host: Host = worker.app.conveyor
         self.relay: Relay | None = None
-        self.worker_id = f"{worker.hostname}:{os.getpid()}"
+        # Celery's node name may repeat across hosts (``celery@<hostname>``, pods sharing
+        # a name, pid 1 in each container): the lease owner's node keeps it unique.
+        self.worker_id = f"{worker.hostname}:{owner_id()}"
         self._record: Any = None
         if self.host.settings.consume_default_queue:
             # After the worker chose its queues (-Q or all declared): one more, as with -Q.

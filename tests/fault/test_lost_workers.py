@@ -90,7 +90,7 @@ def test_message_taken_by_a_worker_killed_before_its_claim_runs_within_30s(
     r = platform.redis
     prefix = platform.settings.key_prefix
 
-    def delivered() -> bool:  # to the first worker (its id is "<hostname>:<pid>")
+    def delivered() -> bool:  # to the first worker (its id ends with ":<pid>")
         workers = [w.decode() for w in r.hkeys(f"{prefix}workers") if w.decode().endswith(f":{first.pid}")]
         return any(r.zscore(f"{prefix}delivered:{w}", handle.id) is not None for w in workers)
 
