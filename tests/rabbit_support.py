@@ -98,8 +98,12 @@ class PrivateRabbit:
         if consumer_timeout_ms is not None:
             lines.append(f"consumer_timeout = {consumer_timeout_ms}")
         (self.dir / "rabbitmq.conf").write_text("\n".join(lines) + "\n")
-        # A quorum queue reports its counts on its Raft tick (every 5 s by default).
-        (self.dir / "advanced.config").write_text(f"[{{rabbit, [{{quorum_tick_interval, {stats_ms}}}]}}].\n")
+        # A quorum queue reports its counts on its Raft tick (every 5 s by default); a
+        # channel checks its consumer timeout on its own tick (every 60 s by default).
+        ticks = f"{{quorum_tick_interval, {stats_ms}}}"
+        if consumer_timeout_ms is not None:
+            ticks += f", {{channel_tick_interval, {max(100, consumer_timeout_ms // 4)}}}"
+        (self.dir / "advanced.config").write_text(f"[{{rabbit, [{ticks}]}}].\n")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -48,10 +48,12 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(services: None) -> Iterator[Cluster]:
+def cluster(services: None, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """A private node (``NODE_OPTIONS`` of the module, if any: see :class:`PrivateRabbit`),
+    with a scratch database and Redis DB, and a client of them."""
     from config.celery_app import platform
 
-    node = PrivateRabbit()
+    node = PrivateRabbit(**getattr(request.module, "NODE_OPTIONS", {}))
     node.start(first=True)
     try:
         with scratch_database("conveyor_rabbit") as db, scratch_redis() as redis_url:

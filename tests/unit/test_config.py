@@ -88,3 +88,42 @@ def test_the_default_queue_is_the_one_a_plain_celery_app_sends_to() -> None:
         plain.routing_key,
     )
     assert ConveyorSettings().consume_default_queue is False  # opt-in
+
+
+def test_on_rabbitmq_every_time_limit_stays_below_the_consumer_timeout() -> None:
+    """RabbitMQ closes a channel holding a delivery unacked past its consumer_timeout (the
+    message goes back to its queue while the job still runs): limits must stay below it."""
+    from celery import Celery
+    from pydantic import BaseModel, ValidationError
+
+    from conveyor.errors import ConfigurationError
+    from conveyor.platform import Platform
+
+    amqp = "amqp://u:p@rabbit:5672/conveyor"
+    with pytest.raises(ValidationError, match="broker consumer timeout"):
+        ConveyorSettings(broker_url=amqp, broker_consumer_timeout=60, default_time_limit=60)
+    # The visibility timeout is Redis's: it does not bound a RabbitMQ deployment's limits.
+    ConveyorSettings(
+        broker_url=amqp, visibility_timeout=10, default_time_limit=300, default_soft_time_limit=270
+    )
+    settings = ConveyorSettings(broker_url=amqp, broker_consumer_timeout=100, default_time_limit=50)
+    platform = Platform(Celery("t"), settings, queues=QUEUES)
+
+    class P(BaseModel):
+        x: int
+
+    with pytest.raises(ConfigurationError, match="broker consumer timeout 100.0s"):
+        platform.stage("conveyor.t.slow", payload=P, time_limit=100)(lambda ctx, p: None)
+
+
+def test_rabbitmq_config_confirms_publishes_and_keeps_results_in_redis() -> None:
+    from conveyor.celeryconfig import celery_config
+
+    settings = ConveyorSettings(broker_url="amqp://u:p@rabbit:5672/v", redis_url="redis://r:6379/0")
+    config = celery_config(settings, queues=QUEUES)
+    assert config["broker_url"] == "amqp://u:p@rabbit:5672/v"
+    assert config["result_backend"] == "redis://r:6379/0"
+    assert config["broker_transport_options"] == {"confirm_publish": True}
+    assert "broker_transport" not in config  # kombu's own AMQP transport
+    redis_only = celery_config(ConveyorSettings(redis_url="redis://r:6379/0"), queues=QUEUES)
+    assert redis_only["broker_url"] == redis_only["result_backend"] == "redis://r:6379/0"
