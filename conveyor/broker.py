@@ -138,7 +138,7 @@ class Broker:
         assert self.amqp_epoch is not None
         raw = self.redis.get(self.epoch_key)
         cached = raw.decode() if isinstance(raw, bytes) else None
-        with self.app.connection_for_write() as conn:
+        with self.app.pool.acquire(block=True) as conn:  # the relay asks every pass: no new connection
             epoch = self.amqp_epoch.current(conn, cached, self._declare_on)
         if epoch != cached:
             self.redis.set(self.epoch_key, epoch)
@@ -170,12 +170,15 @@ class Broker:
                 "socket_connect_timeout": timeout,
                 "retry_on_timeout": False,
             }
+            heartbeat = None
             if self.amqp_epoch is not None:
                 # A quorum queue confirms after its Raft log is written: give it a second.
                 wait = max(1.0, timeout or 0.0)
                 options = {"connect_timeout": wait, "read_timeout": wait, "write_timeout": wait}
                 options["confirm_publish"] = True
-            local.conn, local.pid = self.app.connection_for_write(transport_options=options), os.getpid()
+                heartbeat = 0  # idle between submits, nothing would answer the broker's heartbeats
+            local.conn = self.app.connection_for_write(transport_options=options, heartbeat=heartbeat)
+            local.pid = os.getpid()
             local.producer = None
         return local.conn
 
@@ -200,9 +203,10 @@ class Broker:
     def message_counts(self, queues: Sequence[str]) -> dict[str, int]:
         """Messages waiting in each queue (not counting ones delivered and unacked)."""
         out: dict[str, int] = {}
-        with self.app.connection_for_write() as conn:
-            if self.amqp_epoch is not None:
+        if self.amqp_epoch is not None:
+            with self.app.pool.acquire(block=True) as conn:
                 return rabbit.message_counts(conn, queues)
+        with self.app.connection_for_write() as conn:
             channel = conn.default_channel
             for name in queues:
                 try:
@@ -289,14 +293,19 @@ class Broker:
                     # Celery sends to a direct exchange's queue list by name (the anonymous
                     # exchange): declaring it on every submit only rebinds what is bound.
                     routed["declare"] = []
-                try:
-                    producer = self._fast_producer()
-                    if confirmed:
-                        rabbit.returns_of(producer)
-                    celery_amqp.send_task_message(producer, stage, message, retry=False, **routed)
-                except Exception:
-                    self.drop_fast_connection()
-                    raise
+                # RabbitMQ closes a kept connection now and then (a restart, an idle
+                # timeout of a proxy): one more try on a fresh one before the relay's turn.
+                for tries_left in (1, 0) if confirmed else (0,):
+                    try:
+                        producer = self._fast_producer()
+                        if confirmed:
+                            rabbit.returns_of(producer)
+                        celery_amqp.send_task_message(producer, stage, message, retry=False, **routed)
+                        break
+                    except Exception:
+                        self.drop_fast_connection()
+                        if not tries_left:
+                            raise
                 if confirmed:
                     rabbit.check_returned(producer, [task_id])
                 return task_id

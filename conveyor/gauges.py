@@ -125,8 +125,12 @@ def read_state(
 def queue_lengths(connections: Connections, queues: Sequence[str]) -> dict[str, int]:
     """Messages waiting per queue: the lengths of kombu's Redis lists (one per priority
     step), read with the short-timeout client, so a reading with Redis away fails in about
-    a second instead of waiting out the broker connection's retries."""
+    a second instead of waiting out the broker connection's retries. On RabbitMQ, each
+    queue's ready messages (a passive declare)."""
     from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+    if connections.settings.broker_is_amqp():
+        return connections.broker.message_counts(queues)
 
     pipe = connections.fast.client().pipeline(transaction=False)
     for queue in queues:

@@ -102,3 +102,13 @@ def test_a_worker_killed_mid_job_has_its_message_redelivered_at_once(
     assert handle.wait(60) == s.SUCCEEDED
     assert time.monotonic() - started < 30
     assert effect_count(platform, note=tag) == 1
+
+
+def test_queue_length_gauges_read_rabbitmq(platform: Any, tag: str) -> None:
+    """`conveyor top` and the Prometheus gauges count RabbitMQ's ready messages, not Redis lists."""
+    from conveyor.gauges import queue_lengths
+
+    before = _ready(platform)
+    for i in range(3):
+        platform.submit("conveyor.demo.effect", {"note": f"{tag}-{i}"})
+    assert queue_lengths(platform.connections, ["demo"]) == {"demo": before + 3}
