@@ -53,12 +53,16 @@ def start_worker(
     extra_args: Sequence[str] = (),
     plain_celery: bool = False,
     die_with_parent: bool = False,
+    prefix: Sequence[str] = (),
 ) -> subprocess.Popen[bytes]:
     """Start ``conveyor worker`` (prefork; SIGTERM bounded by the soft-shutdown timeout) as
     a child process, or with ``plain_celery`` ``celery -A <app> worker`` (unbounded). With
-    ``die_with_parent`` it gets SIGTERM when the calling process dies, however it dies."""
+    ``die_with_parent`` it gets SIGTERM when the calling process dies, however it dies.
+    ``prefix`` is a command the worker runs under (``nsenter …`` into another host's
+    namespaces)."""
     command = ["celery", "-A", settings.app] if plain_celery else ["conveyor"]
     args = [
+        *prefix,
         sys.executable,
         "-m",
         *command,
