@@ -184,12 +184,15 @@ class Services:
         self.postgres.destroy()
 
 
-# A cut host's transactions keep their locks (the relay's advisory lock among them) until
-# Postgres notices: an idle transaction is ended after a few seconds, and a silent peer
-# is found by keepalives (and by tcp_user_timeout while data is unacknowledged).
+# A cut host's transactions keep their locks until Postgres notices. The relay's lock
+# transaction limits its own idle time (conveyor.db.dialect.SINGLETON_IDLE_LIMIT_MS);
+# the server-wide limit is only a backstop, as long as a deployment would set it (stage
+# bodies may keep a transaction open while they compute). A silent peer is found by
+# keepalives when idle, by tcp_user_timeout while the server's data is unacknowledged
+# (both longer than the relay's limit, so a test sees which one ended a transaction).
 POSTGRES_OPTIONS = {
     "max_connections": "200",
-    "idle_in_transaction_session_timeout": "3s",
+    "idle_in_transaction_session_timeout": "30s",
     "tcp_keepalives_idle": "10",
     "tcp_keepalives_interval": "1",
     "tcp_keepalives_count": "3",

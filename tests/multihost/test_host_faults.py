@@ -6,11 +6,17 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import select, text
 
 from conveyor.db import schema as s
+from conveyor.db.dialect import SINGLETON_IDLE_LIMIT_MS
+from conveyor.db.schema import counters
+from conveyor.liveness import TICK
+from conveyor.relay import RELAY_LOCK
 from tests.helpers import effect_count, eventually, job_row
 from tests.multihost.conftest import TIMERS
 from tests.multihost.harness import Cluster, Host
@@ -122,3 +128,84 @@ def test_link_down_longer_than_lease(platform: Any, hosts: Cluster, tag: str) ->
     )
     print("refused late writes of the stale owner:\n" + "\n".join(refused))
     assert any(j in line for line in refused for j in cut_off)
+
+
+def _relay_holder(conn: Any) -> tuple[int, str] | None:
+    """The backend holding the relay's advisory lock and its client's address, if any."""
+    row = conn.execute(
+        text(
+            "SELECT a.pid, host(a.client_addr) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+            "WHERE l.locktype = 'advisory' AND l.classid = 0 AND l.objid = :k AND l.granted"
+        ),
+        {"k": RELAY_LOCK},
+    ).first()
+    return (int(row[0]), str(row[1])) if row is not None else None
+
+
+def test_relay_resumes_on_another_host_when_its_holder_is_cut(
+    platform: Any, hosts: Cluster, tag: str
+) -> None:
+    for _ in range(2):
+        hosts.add_host()
+    interval = TIMERS["CONVEYOR_RELAY_INTERVAL"]
+    print(f"relay_interval {interval}s, the lock transaction's idle limit {SINGLETON_IDLE_LIMIT_MS} ms")
+    engine = platform.engine
+    tick = select(counters.c.value).where(counters.c.name == TICK)
+    eventually(lambda: _scalar(engine, tick) is not None, timeout=30)
+    with engine.connect() as watch, engine.connect() as blocker:
+        # Holding the relay clock's row makes the next pass wait in its first statement
+        # after taking the lock: the cut then finds the holder mid-transaction, as a cut
+        # at any moment of a pass would.
+        blocker.begin()
+        blocker.execute(tick.with_for_update())
+        found = eventually(
+            lambda: (h := _relay_holder(watch)) and (host := hosts.host_of(h[1])) and (h[0], host),
+            timeout=10,
+            interval=0.05,
+        )
+        watch.rollback()
+        backend, holder = found
+        before = _scalar(engine, tick)
+        holder.link_down()
+        cut_at = time.monotonic()
+        blocker.rollback()
+    try:
+        job = platform.submit("conveyor.demo.effect", {"note": f"{tag}-0"}, delay=0.5)
+
+        def active(pid: int) -> bool:
+            q = text("SELECT count(*) FROM pg_stat_activity WHERE pid = :p")
+            return bool(_scalar(engine, q, p=pid))
+
+        eventually(lambda: not active(backend), timeout=15, interval=0.1)
+        freed = time.monotonic() - cut_at
+        eventually(lambda: (_scalar(engine, tick) or 0) > (before or 0), timeout=15, interval=0.1)
+        resumed = time.monotonic() - cut_at
+        eventually(lambda: job_row(platform, job.id)["published_at"] is not None, timeout=15, interval=0.1)
+        published = time.monotonic() - cut_at
+        holder_now = eventually(lambda: _relay_holder_once(engine), timeout=10, interval=0.01)
+        print(
+            f"cut {holder.name} holding the relay lock (backend {backend}); Postgres ended its "
+            f"transaction after {freed:.1f}s; a relay pass committed after {resumed:.1f}s; a delayed job "
+            f"was published after {published:.1f}s; the lock is now held from {holder_now[1]}"
+        )
+        assert holder_now[1] != holder.address
+        assert resumed <= 10 and published <= 10
+        # Ended by the lock transaction's own idle limit (keepalives and tcp_user_timeout
+        # are longer here).
+        log = Path(hosts.services.postgres.datadir / "log").read_text(errors="replace")
+        ended = [line for line in log.splitlines() if f"[{backend}] FATAL" in line]
+        print("\n".join(ended))
+        assert any("idle-in-transaction timeout" in line for line in ended), ended
+    finally:
+        holder.link_up()
+    _assert_exactly_once(platform, [job.id], tag)
+
+
+def _relay_holder_once(engine: Any) -> tuple[int, str] | None:
+    with engine.connect() as conn:
+        return _relay_holder(conn)
+
+
+def _scalar(engine: Any, q: Any, **params: Any) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(q, params).scalar_one_or_none()
