@@ -300,13 +300,19 @@ class Host:
         ).stdout
 
     def start_worker(
-        self, settings: ConveyorSettings, env: Mapping[str, str], *, concurrency: int = 2, wait: bool = True
+        self,
+        settings: ConveyorSettings,
+        env: Mapping[str, str],
+        *,
+        concurrency: int = 2,
+        queues: Sequence[str] = QUEUES,
+        wait: bool = True,
     ) -> Worker:
-        """Start a prefork ``conveyor worker`` on this host (every queue of ``QUEUES``)."""
+        """Start a prefork ``conveyor worker`` on this host, named ``w<n>@<hostname>``."""
         log = self.log_dir / f"{self.name}-worker{len(self.workers)}.log"
         proc = start_worker(
             settings,
-            queues=QUEUES,
+            queues=queues,
             concurrency=concurrency,
             hostname=f"w{len(self.workers)}@{self.name}",
             log_path=log,
@@ -396,16 +402,15 @@ class Cluster:
     hosts: list[Host] = field(default_factory=list)
     started: int = 0  # hosts ever added: a name is never reused within a cluster
 
-    def add_host(self, *, workers: int = 1, concurrency: int = 2) -> Host:
-        """A new host running ``workers`` worker processes."""
+    def add_host(self, *, workers: int = 1, concurrency: int = 2, queues: Sequence[str] = QUEUES) -> Host:
+        """A new host running ``workers`` worker processes on ``queues``."""
         host = Host(self.net, self.started, self.log_dir)
         self.started += 1
         self.hosts.append(host)
         host.start()
+        env = {**self.services.env(), **self.env}
         for _ in range(workers):
-            host.start_worker(
-                self.settings, {**self.services.env(), **self.env}, concurrency=concurrency, wait=False
-            )
+            host.start_worker(self.settings, env, concurrency=concurrency, queues=queues, wait=False)
         for worker in host.workers:
             wait_ready(worker)
         return host
