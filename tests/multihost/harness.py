@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,9 +38,12 @@ SUBNET_PREFIX = "10.231"
 QUEUES = ("demo",)
 
 # PID 1 of a host: names the host, says it is up, then reaps whatever is orphaned in its
-# PID namespace until it is killed (and the kernel kills the namespace with it).
+# PID namespace until it is killed (and the kernel kills the namespace with it). It dies
+# with its parent (unshare), which dies with the test process (see Host.start): a session
+# killed outright leaves no host running.
 INIT = """
-import os, socket, sys, time
+import ctypes, os, signal, socket, sys, time
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 socket.sethostname(sys.argv[1])
 print("up", flush=True)
 while True:
@@ -86,10 +90,27 @@ def _claim_subnet() -> tuple[int, int]:
     raise RuntimeError("no free multi-host subnet")
 
 
+def _leftovers(n: int) -> Path:
+    """Where a session with subnet number ``n`` notes its servers, for the next sweep."""
+    return Path(tempfile.gettempdir()) / f"conveyor-multihost-net-{n}.servers"
+
+
 def _sweep(n: int) -> None:
-    """Remove what a crashed session with subnet number ``n`` left: its namespaces (and
-    every process in them), its bridge and its veths. Only called with ``n``'s lock held."""
+    """Remove what a crashed session with subnet number ``n`` left: its servers, its
+    namespaces (and every process in them), its bridge and its veths. Only called with
+    ``n``'s lock held."""
     mark = f"{n:03d}"
+    noted = _leftovers(n)
+    if noted.exists():
+        for line in noted.read_text().splitlines():
+            pid, _, directory = line.partition(" ")
+            with contextlib.suppress(OSError, ValueError):
+                command = Path(f"/proc/{int(pid)}/cmdline").read_bytes()
+                if b"redis-server" in command or b"postgres" in command:  # not a reused pid
+                    os.kill(int(pid), signal.SIGKILL)  # a Postgres backend exits with its postmaster
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
+        noted.unlink()
     for line in ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         if name.startswith(f"conveyor-{mark}"):
@@ -212,6 +233,9 @@ def start_services(net: Network, postgres_options: Mapping[str, str] | None = No
         raise
     services = Services(redis_server, pg)
     try:
+        assert redis_server.proc is not None
+        postmaster = (pg.datadir / "postmaster.pid").read_text().split()[0]
+        _leftovers(net.number).write_text(f"{redis_server.proc.pid}\n{postmaster} {pg.datadir.parent}\n")
         from config.migrations import upgrade
         from conveyor.db.engine import make_engine
 
@@ -283,6 +307,7 @@ class Host:
             stderr=subprocess.DEVNULL,  # unshare's complaint when its child is SIGKILLed
             text=True,
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
         assert self.init.stdout is not None
         if self.init.stdout.readline().strip() != "up":
@@ -357,6 +382,13 @@ class Host:
                 os.kill(pid, signal.SIGKILL)
         ip("netns", "del", self.namespace, check=False)
         ip("link", "del", self.veth, check=False)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the test process dies (kept across exec)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _namespace_init(outer: int, timeout: float = 10.0) -> int:
@@ -447,6 +479,7 @@ def cluster(
                 c.destroy_hosts()
         finally:
             services.destroy()
+            _leftovers(net.number).unlink(missing_ok=True)
     finally:
         _sweep(net.number)
         net.destroy()
