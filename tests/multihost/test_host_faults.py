@@ -1,6 +1,7 @@
 """Faults of one whole host among several: every process killed at once, its link cut for
-longer than a lease. Real prefork workers in network and PID namespaces (see harness.py);
-effects are rows without a unique constraint, so a duplicate would show."""
+longer than a lease, the host holding the relay's lock cut mid-pass. Real prefork workers
+in network and PID namespaces (see harness.py); effects are rows without a unique
+constraint, so a duplicate would show."""
 
 from __future__ import annotations
 
