@@ -21,7 +21,7 @@ from conveyor.amqp import AmqpEpoch
 from conveyor.broker import Broker
 from conveyor.celeryconfig import PLACEHOLDER_BROKER
 from conveyor.db.dialect import is_sqlite
-from conveyor.db.engine import make_engine
+from conveyor.db.engine import keepalive_args, make_engine
 from conveyor.db.lane import Lane
 from conveyor.errors import NotRunning
 from conveyor.fastpath import FastPath
@@ -93,6 +93,11 @@ class Connections:
                         pool_size=self.settings.db_pool_size,
                         connect_timeout=self.settings.db_connect_timeout,
                         schema=self.settings.db_schema,
+                        keepalives=keepalive_args(
+                            self.settings.db_keepalives_idle,
+                            self.settings.db_keepalives_interval,
+                            self.settings.db_keepalives_count,
+                        ),
                     )
         return self._engine
 

@@ -62,7 +62,8 @@ def start_worker(
     """Start ``conveyor worker`` (prefork; SIGTERM bounded by the soft-shutdown timeout) as
     a child process, or with ``plain_celery`` ``celery -A <app> worker`` (unbounded). With
     ``die_with_parent`` it gets SIGTERM when the calling process dies, however it dies.
-    ``prefix`` is a command that runs the worker's command line (``unshare … sh -c``)."""
+    ``prefix`` is a command the worker's command line runs under (``unshare …`` or
+    ``nsenter …`` into another host's namespaces)."""
     command = ["celery", "-A", settings.app] if plain_celery else ["conveyor"]
     args = [
         *prefix,

@@ -169,6 +169,19 @@ class ConveyorSettings(BaseSettings):
     flower_user: str = "conveyor"
     flower_password: str | None = None
 
+    # Database connections of a host that is cut off (or of a server that is): libpq's TCP
+    # keepalives, see conveyor.db.engine.keepalive_args.
+    db_keepalives_idle: int = Field(
+        30, ge=1, description="a silent database connection is probed after this many seconds"
+    )
+    db_keepalives_interval: int = Field(10, ge=1, description="seconds between keepalive probes")
+    db_keepalives_count: int = Field(
+        3,
+        ge=1,
+        description="unanswered probes before the connection is dropped (data unacknowledged "
+        "for idle + interval * count seconds too)",
+    )
+
     @model_validator(mode="after")
     def _limits_below_visibility(self) -> ConveyorSettings:
         limits: list[tuple[str, float]] = [("default", self.default_time_limit)]

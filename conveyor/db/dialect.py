@@ -258,13 +258,25 @@ EVENT_TXID_DEFAULT_PG = "(pg_current_xact_id()::text)::bigint"
 # -- singleton locks -------------------------------------------------------------------
 
 
+# A holder cut off mid-transaction (its host or link gone) keeps the lock until Postgres
+# ends that transaction: idle this long between statements, it is ended, whatever the
+# server's own setting (which must not be this short for stage bodies' transactions).
+SINGLETON_IDLE_LIMIT_MS = 5000
+
+
 def try_singleton_lock(conn: Connection, key: int, lock_dir: Path) -> bool:
     """Take a lock held until ``conn``'s transaction ends (Postgres) or the process exits.
 
+    On Postgres the transaction is ended by the server once it has been idle for
+    ``SINGLETON_IDLE_LIMIT_MS``, so a holder that vanished frees the lock within seconds.
     On SQLite there is one database file per home, so an ``flock`` in the home is enough.
     """
     if not is_sqlite(conn):
-        return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}).scalar_one())
+        q = text(
+            "SELECT set_config('idle_in_transaction_session_timeout', :idle, true), "
+            "pg_try_advisory_xact_lock(:k)"
+        )
+        return bool(conn.execute(q, {"k": key, "idle": str(SINGLETON_IDLE_LIMIT_MS)}).one()[1])
     return _file_lock(lock_dir / f"lock-{key}")
 
 

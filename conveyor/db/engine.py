@@ -27,9 +27,32 @@ def sqlite_url(home: Path) -> str:
     return f"sqlite:///{(home / 'conveyor.db').resolve()}"
 
 
-def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10, schema: str = SCHEMA) -> Engine:
+def keepalive_args(idle: int = 30, interval: int = 10, count: int = 3) -> dict[str, int]:
+    """libpq connect arguments that find a silent server (its host or the link to it gone):
+    TCP keepalives after ``idle`` s, every ``interval`` s, ``count`` times; and the same
+    bound while sent data is unacknowledged (``tcp_user_timeout``, ms), where keepalives
+    do not apply. Without them a query on a dead link waits for the kernel's ~15 min of
+    retransmissions."""
+    return {
+        "keepalives": 1,
+        "keepalives_idle": idle,
+        "keepalives_interval": interval,
+        "keepalives_count": count,
+        "tcp_user_timeout": (idle + interval * count) * 1000,
+    }
+
+
+def make_engine(
+    url: str,
+    *,
+    pool_size: int = 5,
+    connect_timeout: int = 10,
+    schema: str = SCHEMA,
+    keepalives: dict[str, int] | None = None,
+) -> Engine:
     """Create an engine with bounded pools and dialect setup applied. A Postgres that
-    accepts connections and never answers fails a connect after ``connect_timeout`` s.
+    accepts connections and never answers fails a connect after ``connect_timeout`` s, and
+    one that goes silent later is found by ``keepalives`` (default :func:`keepalive_args`).
     Conveyor's tables are in ``schema`` (on SQLite: prefixed with it)."""
     url = normalize_url(url)
     schema = checked_schema(schema)
@@ -52,6 +75,7 @@ def make_engine(url: str, *, pool_size: int = 5, connect_timeout: int = 10, sche
             **pooling,
             connect_args={
                 "connect_timeout": max(2, connect_timeout),
+                **(keepalive_args() if keepalives is None else keepalives),
                 # Raw SQL of migrations, functions and the deployment finds the tables
                 # unqualified; a caller's own options in the URL are kept.
                 "options": _options(url, schema),

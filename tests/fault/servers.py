@@ -35,13 +35,16 @@ class PrivateRedis:
     port: int
     proc: subprocess.Popen[bytes] | None = None
     datadir: Path | None = None
+    # Another address (a bridge's, for network namespaces) turns protected mode off: with
+    # no password, Redis would refuse every client that is not on loopback.
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5)
+        return redis.Redis(host=self.host, port=self.port, socket_timeout=5)
 
     def start(self) -> None:
         persistence = ["--appendonly", "no"]
@@ -53,7 +56,9 @@ class PrivateRedis:
                 "--port",
                 str(self.port),
                 "--bind",
-                "127.0.0.1",
+                self.host,
+                "--protected-mode",
+                "yes" if self.host == "127.0.0.1" else "no",
                 "--save",
                 "",
                 *persistence,
@@ -98,12 +103,13 @@ class PrivateRedis:
             shutil.rmtree(self.datadir, ignore_errors=True)
 
 
-def private_redis(*, appendonly: bool = False) -> PrivateRedis:
-    """Start a private Redis on a free port (with ``appendonly``: AOF in a temp dir)."""
+def private_redis(*, appendonly: bool = False, host: str = "127.0.0.1") -> PrivateRedis:
+    """Start a private Redis on a free port (with ``appendonly``: AOF in a temp dir),
+    listening on ``host`` only."""
     if not SYSTEM_REDIS.exists():
         raise RuntimeError(f"{SYSTEM_REDIS} not found")
     datadir = Path(tempfile.mkdtemp(prefix="conveyor-redis-")) if appendonly else None
-    server = PrivateRedis(free_port(), datadir=datadir)
+    server = PrivateRedis(free_port(), datadir=datadir, host=host)
     server.start()
     return server
 
@@ -113,16 +119,17 @@ class PrivatePostgres:
     """A throwaway Postgres cluster (run as the postgres user) that tests may stop.
 
     ``options`` are extra server settings (``-c name=value`` on every start), e.g.
-    ``{"wal_writer_delay": "10s"}``.
+    ``{"wal_writer_delay": "10s"}``. ``host`` is the one address it listens on.
     """
 
     datadir: Path
     port: int
     options: Mapping[str, str] = field(default_factory=dict)
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+        return f"postgresql://postgres@{self.host}:{self.port}/postgres"
 
     def _ctl(self, *args: str) -> None:
         subprocess.run(
@@ -147,7 +154,7 @@ class PrivatePostgres:
     def start(self) -> None:
         opts = (
             f"-p {self.port} -k {self.datadir} "
-            "-c listen_addresses=127.0.0.1 -c max_connections=60 -c fsync=off"
+            f"-c listen_addresses={self.host} -c max_connections=60 -c fsync=off"
         )
         opts += "".join(f" -c {name}={value}" for name, value in self.options.items())
         self._ctl("-o", opts, "-l", str(self.datadir / "log"), "start")
@@ -161,10 +168,14 @@ class PrivatePostgres:
         shutil.rmtree(self.datadir.parent, ignore_errors=True)
 
 
-def private_postgres(options: Mapping[str, str] | None = None) -> PrivatePostgres:
+def private_postgres(
+    options: Mapping[str, str] | None = None, *, host: str = "127.0.0.1", subnet: str | None = None
+) -> PrivatePostgres:
     """initdb + start a private cluster in a fresh temporary directory on a free port.
 
-    ``options``: extra server settings, applied on every (re)start.
+    ``options``: extra server settings, applied on every (re)start (they may override
+    ``max_connections``). ``host``: the address it listens on; ``subnet`` (CIDR): clients
+    from there are trusted too (``pg_hba.conf``), e.g. a bridge's network namespaces.
     """
     # pytest's tmp_path parents are 0700 root: the postgres user could not reach them.
     base = Path(tempfile.mkdtemp(prefix="conveyor-pg-"))
@@ -191,6 +202,9 @@ def private_postgres(options: Mapping[str, str] | None = None) -> PrivatePostgre
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    server = PrivatePostgres(datadir, free_port(), dict(options or {}))
+    if subnet is not None:
+        with (datadir / "pg_hba.conf").open("a") as hba:
+            hba.write(f"host all all {subnet} trust\n")
+    server = PrivatePostgres(datadir, free_port(), dict(options or {}), host=host)
     server.start()
     return server
