@@ -112,7 +112,7 @@ def test_on_rabbitmq_every_time_limit_stays_below_the_consumer_timeout() -> None
     class P(BaseModel):
         x: int
 
-    with pytest.raises(ConfigurationError, match="broker consumer timeout 100.0s"):
+    with pytest.raises(ConfigurationError, match=r"broker consumer timeout 100\.0s"):
         platform.stage("conveyor.t.slow", payload=P, time_limit=100)(lambda ctx, p: None)
 
 
