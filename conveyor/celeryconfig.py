@@ -77,6 +77,9 @@ def celery_config(
         "result_backend_transport_options": dict(transport),
         "visibility_timeout": settings.visibility_timeout,
         "broker_connection_retry_on_startup": True,
+        # RabbitMQ only (kombu's Redis transport has none): a cut-off worker's deliveries
+        # go back to their queues once the broker misses two beats (Celery's default: 120 s).
+        "broker_heartbeat": settings.broker_heartbeat,
         # Reconnect for as long as the broker is away: kombu retries forever with None (its
         # `retries >= max_retries` check is skipped), where Celery's default of 100 retries
         # (2 s, 4 s, ... then every 30 s) gives up after about 45 minutes and ends the worker.

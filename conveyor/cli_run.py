@@ -232,7 +232,9 @@ def up(
             # After the claim: a second `up` of this home says it is running, not that its port is.
             api = _api_address(base, http_port)
             platform = load_platform(require_services=False)
-            platform.bind(redis_url=services.redis_url, database_url=services.database_url)
+            platform.bind(
+                redis_url=services.redis_url, database_url=services.database_url, broker_url=base.broker_url
+            )
             migrate(platform)
             logs = home / "logs"
             logs.mkdir(exist_ok=True)
@@ -405,7 +407,9 @@ def demo(
         proc = None
         try:
             platform = load_platform(require_services=False)
-            platform.bind(redis_url=services.redis_url, database_url=services.database_url)
+            platform.bind(
+                redis_url=services.redis_url, database_url=services.database_url, broker_url=base.broker_url
+            )
             migrate(platform)
             if not attached or (base.redis_url and base.database_url):
                 logs = platform.settings.resolved_home() / "logs"

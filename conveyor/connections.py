@@ -19,13 +19,22 @@ from sqlalchemy import Connection, Engine
 
 from conveyor.amqp import AmqpEpoch
 from conveyor.broker import Broker
-from conveyor.celeryconfig import PLACEHOLDER_BROKER
+from conveyor.celeryconfig import PLACEHOLDER_BROKER, celery_config
 from conveyor.db.dialect import is_sqlite
 from conveyor.db.engine import keepalive_args, make_engine
 from conveyor.db.lane import Lane
 from conveyor.errors import NotRunning
 from conveyor.fastpath import FastPath
 from conveyor.settings import ConveyorSettings
+
+# What ``celery_config`` derives from the service URLs (the rest of the app's config stays).
+BROKER_KEYS = (
+    "broker_url",
+    "broker_transport",
+    "broker_transport_options",
+    "result_backend",
+    "worker_disable_prefetch",
+)
 
 
 class Connections:
@@ -52,11 +61,21 @@ class Connections:
         )
 
     def bind(self, *, redis_url: str, database_url: str, broker_url: str | None = None) -> None:
-        """Point the connections (and the Celery app) at concrete services."""
-        self.settings = self.settings.with_urls(redis_url, database_url)
-        if broker_url is not None:
-            self.settings = self.settings.model_copy(update={"broker_url": broker_url})
-        self.app.conf.update(broker_url=self.settings.resolved_broker_url(), result_backend=redis_url)
+        """Point the connections (and the Celery app) at concrete services (``broker_url``:
+        RabbitMQ's; None: Redis is the broker)."""
+        self.settings = self.settings.with_urls(redis_url, database_url).model_copy(
+            update={"broker_url": broker_url}
+        )
+        broker = self.settings.resolved_broker_url()
+        if broker != self.app.conf.broker_url:
+            # Celery keeps its producer pool for the life of the app: connections to the old
+            # broker must not serve publishes meant for the new one.
+            pool, self.app._pool = self.app._pool, None
+            if pool is not None:
+                pool.force_close_all()
+            self.app.amqp._producer_pool = None
+        fresh = celery_config(self.settings, queues=self.queues)
+        self.app.conf.update({key: fresh.get(key) for key in BROKER_KEYS})
         self.reset()
 
     def reset(self) -> None:

@@ -212,7 +212,7 @@ class Platform:
 
     def bind(self, *, redis_url: str, database_url: str, broker_url: str | None = None) -> None:
         """Point the platform (and the Celery app) at concrete services (``broker_url``:
-        RabbitMQ's, if given; otherwise the broker stays as configured)."""
+        RabbitMQ's; None: Redis is the broker)."""
         self.connections.bind(redis_url=redis_url, database_url=database_url, broker_url=broker_url)
 
     def reset(self) -> None:

@@ -54,6 +54,12 @@ class ConveyorSettings(BaseSettings):
         "(durable quorum queues, publisher confirms); default: redis_url. Redis stays for "
         "Conveyor's fast paths and as the result backend",
     )
+    broker_heartbeat: float = Field(
+        20.0,
+        ge=0,
+        description="RabbitMQ: AMQP heartbeat interval (seconds; 0: none). A host cut off keeps "
+        "its consumers, and the deliveries sent to them, until the broker misses two beats",
+    )
     broker_consumer_timeout: float = Field(
         1800.0,
         gt=0,

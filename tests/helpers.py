@@ -128,8 +128,9 @@ def scratch_redis() -> Iterator[str]:
 def bound_to(platform: Any, database_url: str) -> Iterator[Any]:
     """The test platform on another database (same Redis), then back."""
     redis_url, before = platform.settings.redis_url, platform.settings.database_url
-    platform.bind(redis_url=redis_url, database_url=database_url)
+    broker_url = platform.settings.broker_url
+    platform.bind(redis_url=redis_url, database_url=database_url, broker_url=broker_url)
     try:
         yield platform
     finally:
-        platform.bind(redis_url=redis_url, database_url=before)
+        platform.bind(redis_url=redis_url, database_url=before, broker_url=broker_url)

@@ -28,23 +28,33 @@ TIMERS = timer_env(
     db_keepalives_idle=10,
     db_keepalives_interval=1,
     db_keepalives_count=3,
+    broker_heartbeat=2,
 )
 
 
-@pytest.fixture(scope="module")
-def mh(platform: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A cluster (network and services, no hosts yet) for the module's tests."""
+@pytest.fixture(scope="module", params=["redis", "rabbitmq"])
+def mh(
+    platform: Any, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Cluster]:
+    """A cluster (network and services, no hosts yet) for the module's tests, with Redis
+    as the broker, then with a private RabbitMQ node on the bridge."""
     problem = can_run()
     if problem:
         pytest.skip(problem)
     log_dir = Path(tmp_path_factory.mktemp("multihost"))
-    redis_url, database_url = platform.settings.redis_url, platform.settings.database_url
-    with cluster(platform.settings, log_dir, env=TIMERS) as c:
-        platform.bind(redis_url=c.services.redis_url, database_url=c.services.database_url)
+    before = platform.settings
+    with cluster(platform.settings, log_dir, env=TIMERS, rabbitmq=request.param == "rabbitmq") as c:
+        platform.bind(
+            redis_url=c.services.redis_url,
+            database_url=c.services.database_url,
+            broker_url=c.services.broker_url,
+        )
         try:
             yield c
         finally:
-            platform.bind(redis_url=redis_url, database_url=database_url)
+            platform.bind(
+                redis_url=before.redis_url, database_url=before.database_url, broker_url=before.broker_url
+            )
 
 
 @pytest.fixture

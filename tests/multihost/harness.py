@@ -33,6 +33,7 @@ from pathlib import Path
 from conveyor.procs import start_worker
 from conveyor.settings import ConveyorSettings
 from tests.fault.servers import PrivatePostgres, PrivateRedis, private_postgres, private_redis
+from tests.rabbit_support import PrivateRabbit
 
 SUBNET_PREFIX = "10.231"
 QUEUES = ("demo",)
@@ -183,7 +184,11 @@ class Services:
 
     redis: PrivateRedis
     postgres: PrivatePostgres
-    broker_url: str | None = None
+    rabbit: PrivateRabbit | None = None
+
+    @property
+    def broker_url(self) -> str | None:
+        return self.rabbit.url if self.rabbit is not None else None
 
     @property
     def redis_url(self) -> str:
@@ -203,6 +208,8 @@ class Services:
     def destroy(self) -> None:
         self.redis.stop()
         self.postgres.destroy()
+        if self.rabbit is not None:
+            self.rabbit.close()
 
 
 # A cut host's transactions keep their locks until Postgres notices. The relay's lock
@@ -221,8 +228,11 @@ POSTGRES_OPTIONS = {
 }
 
 
-def start_services(net: Network, postgres_options: Mapping[str, str] | None = None) -> Services:
-    """A private Redis and Postgres listening on the bridge address, migrated."""
+def start_services(
+    net: Network, postgres_options: Mapping[str, str] | None = None, *, rabbitmq: bool = False
+) -> Services:
+    """A private Redis and Postgres listening on the bridge address, migrated; with
+    ``rabbitmq``, a private RabbitMQ node there too (Celery's broker)."""
     redis_server = private_redis(host=net.gateway)
     try:
         pg = private_postgres(
@@ -242,6 +252,9 @@ def start_services(net: Network, postgres_options: Mapping[str, str] | None = No
         engine = make_engine(pg.url, pool_size=0)
         upgrade(engine)
         engine.dispose()
+        if rabbitmq:
+            services.rabbit = PrivateRabbit(bind=net.gateway)
+            services.rabbit.start(first=True)
     except BaseException:
         services.destroy()
         raise
@@ -464,14 +477,17 @@ def cluster(
     *,
     env: Mapping[str, str] | None = None,
     postgres_options: Mapping[str, str] | None = None,
+    rabbitmq: bool = False,
 ) -> Iterator[Cluster]:
     """A bridge, private Redis and Postgres on it, and (added by the caller) hosts; all
     removed afterwards, whatever happened."""
     net = make_network()
     try:
-        services = start_services(net, postgres_options)
+        services = start_services(net, postgres_options, rabbitmq=rabbitmq)
         try:
-            c = Cluster(net, services, settings.with_urls(services.redis_url, services.database_url), log_dir)
+            hosts_settings = settings.with_urls(services.redis_url, services.database_url)
+            hosts_settings = hosts_settings.model_copy(update={"broker_url": services.broker_url})
+            c = Cluster(net, services, hosts_settings, log_dir)
             c.env.update(env or {})
             try:
                 yield c

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.timeout(150), pytest.mark.fault, pytest.mark.multihost
 
 LEASE = float(TIMERS["CONVEYOR_LEASE_TIMEOUT"])
 RECONCILE = float(TIMERS["CONVEYOR_RECONCILER_INTERVAL"])
+HEARTBEAT = float(TIMERS["CONVEYOR_BROKER_HEARTBEAT"])
 # What the stale owner logs when the fencing compare-and-set refuses its late write.
 REFUSED = re.compile(r"ignored: fenced off|no longer owns the job|was taken over")
 
@@ -94,7 +95,8 @@ def test_kill_every_process_of_one_host(platform: Any, hosts: Cluster, tag: str)
 
 def test_link_down_longer_than_lease(platform: Any, hosts: Cluster, tag: str) -> None:
     a, b = hosts.add_host(), hosts.add_host()
-    sleep = 12.0
+    on_rabbitmq = hosts.services.broker_url is not None
+    sleep = 12.0 + (3 * HEARTBEAT if on_rabbitmq else 0.0)  # outlasts the cut below
     ids = [
         platform.submit("conveyor.demo.effect", {"note": f"{tag}-{i}", "sleep": sleep}).id for i in range(2)
     ]
@@ -102,9 +104,14 @@ def test_link_down_longer_than_lease(platform: Any, hosts: Cluster, tag: str) ->
     victim, other = (a, b) if _owned_by(platform, ids, a) else (b, a)
     cut_off = _owned_by(platform, ids, victim)
     outage = LEASE + RECONCILE + 2.5
+    if on_rabbitmq:
+        # RabbitMQ keeps sending to the cut host's consumers (the republished job's message
+        # too) until it misses two heartbeats; then those deliveries go to the other host.
+        outage += 3 * HEARTBEAT
     print(
         f"cutting {victim.name}'s link for {outage}s > lease_timeout {LEASE}s + reconciler_interval "
-        f"{RECONCILE}s while it runs {len(cut_off)} job(s) of {sleep}s"
+        f"{RECONCILE}s (+ 3 broker heartbeats of {HEARTBEAT}s on RabbitMQ) while it runs "
+        f"{len(cut_off)} job(s) of {sleep}s"
     )
     victim.link_down()
     cut_at = time.monotonic()
