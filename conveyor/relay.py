@@ -98,9 +98,12 @@ class Relay:
         except Exception:
             if not reconcile:
                 raise
-            # Redis is unreachable: still repair stalls and expiry in the database; what
-            # this requeues is published as soon as Redis answers again.
-            log.warning("Redis unreachable: reconciling in the database only", exc_info=True)
+            # Redis (or RabbitMQ) is unreachable: still repair stalls and expiry in the
+            # database; what this requeues is published as soon as both answer again.
+            log.warning(
+                "no broker epoch (Redis or RabbitMQ unreachable): reconciling in the database only",
+                exc_info=True,
+            )
             epoch = None
         orphans = self.deliveries.orphans() if reconcile and epoch is not None else {}
         with brief_write(connections.engine, RELAY_WAIT) as conn:
