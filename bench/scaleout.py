@@ -253,6 +253,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--n", type=int, default=FULL_N, help=f"jobs per step (default {FULL_N})")
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY, help="pool slots per host")
     parser.add_argument("--smoke", action="store_true", help=f"CI: n={SMOKE_N}, 2 slots per host")
+    parser.add_argument(
+        "--broker",
+        choices=["redis", "rabbitmq"],
+        default="redis",
+        help="Celery's broker: the private Redis, or a private RabbitMQ node on the bridge",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         args.n, args.concurrency = SMOKE_N, 2
@@ -283,9 +289,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     steps: list[Step] = []
     cores = os.cpu_count() or 1
-    with cluster(ConveyorSettings(home=home), home, postgres_options={"fsync": "on"}) as c:
+    rabbitmq = args.broker == "rabbitmq"
+    with cluster(ConveyorSettings(home=home), home, postgres_options={"fsync": "on"}, rabbitmq=rabbitmq) as c:
         os.environ["CONVEYOR_REDIS_URL"] = c.services.redis_url
         os.environ["CONVEYOR_DATABASE_URL"] = c.services.database_url
+        if c.services.broker_url is not None:
+            os.environ["CONVEYOR_BROKER_URL"] = c.services.broker_url
         from bench.common import open_platform
         from config.queues import DEFAULT_QUEUE
 
@@ -313,8 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shutil.rmtree(home, ignore_errors=True)
     print(
         f'scaleout_config="conveyor worker -P prefork -c {args.concurrency} per host (network+PID '
-        f"namespace), default timers, {STAGE}; private redis-server and postgres 15 (fsync=on) on "
-        f'the bridge, {cores} cores shared by all"'
+        f"namespace), default timers, {STAGE}; private redis-server and postgres 15 (fsync=on)"
+        f"{' and rabbitmq 3.10 (the broker, quorum queues)' if rabbitmq else ' (Redis the broker)'} "
+        f'on the bridge, {cores} cores shared by all"'
     )
     for step in steps:
         k = step.hosts
