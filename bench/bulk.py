@@ -16,8 +16,8 @@ may be shared). Procrastinate runs once, last:
   kombu's ``Producer.publish`` inside ``Producer.batch()``: one Redis pipeline per batch,
   no database. Checked: the queue holds N messages. It lets Celery write the
   ``kwargsrepr`` header with ``saferepr`` (as any Celery publisher does); the bulk side
-  writes the same text with ``repr`` where the two agree (:func:`conveyor.broker.
-  quick_kwargsrepr`), about 5 us per message less.
+  writes the same text with ``repr`` where the two agree (:func:`conveyor.
+  reprs.quick_kwargsrepr`), about 5 us per message less.
 * ``procrastinate`` (when installed: ``pip install -e '.[bench]'``): ``batch_defer`` of N
   jobs (same batches) through its synchronous psycopg connector into its own database.
 

@@ -34,6 +34,9 @@ log = logging.getLogger("conveyor.amqp")
 
 QUORUM = {"x-queue-type": "quorum"}
 EPOCH_COUNTER = "broker_epoch"
+# RabbitMQ's epochs are told apart from Redis's (plain hex): a process whose broker is not
+# the workers' sees it in the epoch and leaves its jobs to the relay (conveyor.broker).
+EPOCH_PREFIX = "amqp-"
 
 
 class Unroutable(ConnectionError):
@@ -148,6 +151,8 @@ class AmqpEpoch:
     def current(self, connection: Any, cached: str | None, declare_all: Callable[[Any], None]) -> str:
         """The broker's epoch: ``cached`` if its marker queue exists, else the one Postgres
         recorded if its marker exists, else a new one (every queue declared first)."""
+        if cached is not None and not cached.startswith(EPOCH_PREFIX):
+            cached = None  # Redis was the broker before: its epoch says nothing here
         if cached is not None and queue_exists(connection, self.marker(cached).name):
             return cached
         stored = self.stored()
@@ -167,7 +172,7 @@ class AmqpEpoch:
 
     def _swap(self, expected: str | None, fresh: str) -> str:
         """Record ``fresh`` if Postgres still holds ``expected``; the recorded epoch."""
-        value = int(fresh, 16)
+        value = _int(fresh)
         with self.engine().begin() as conn:
             if expected is None:
                 stmt = upsert(conn, counters).values(name=EPOCH_COUNTER, value=value)
@@ -175,7 +180,7 @@ class AmqpEpoch:
             else:
                 conn.execute(
                     update(counters)
-                    .where(counters.c.name == EPOCH_COUNTER, counters.c.value == int(expected, 16))
+                    .where(counters.c.name == EPOCH_COUNTER, counters.c.value == _int(expected))
                     .values(value=value)
                 )
             now = conn.execute(select(counters.c.value).where(counters.c.name == EPOCH_COUNTER)).scalar_one()
@@ -183,10 +188,15 @@ class AmqpEpoch:
 
 
 def _hex(value: int) -> str:
-    return format(value, "016x")
+    return f"{EPOCH_PREFIX}{value:016x}"
+
+
+def _int(epoch: str) -> int:
+    return int(epoch.removeprefix(EPOCH_PREFIX), 16)
 
 
 __all__ = [
+    "EPOCH_PREFIX",
     "QUORUM",
     "AmqpEpoch",
     "Returns",

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,10 @@ from conveyor import amqp as rabbit
 from conveyor import tracing
 from conveyor.db.schema import IGNORE_RESULT
 from conveyor.fastpath import FastPath
+from conveyor.reprs import as_list, quick_kwargsrepr, repr_limits
 from conveyor.wakeups import Wakeups
+
+log = logging.getLogger("conveyor.broker")
 
 JOB_HEADER = "conveyor_job_id"
 
@@ -73,6 +77,10 @@ class Broker:
         self.direct = direct
         self.amqp_epoch = amqp_epoch
         self._epoch: str | None = None
+        self._mismatch_told = False
+        self._inspect_conn: Any = None
+        self._inspect_pid = 0
+        self._lock_inspect = threading.Lock()
         self._epoch_read = 0.0
         self._lock = threading.Lock()
         self._local = threading.local()
@@ -121,8 +129,16 @@ class Broker:
 
     def _read_epoch(self, client: Redis, *, fast: bool) -> str | None:
         """The epoch in Redis, created (after declaring every queue) if missing; None when
-        missing and this publisher is direct (it knows no queues: the relay creates it)."""
+        missing and this publisher is direct (it knows no queues: the relay creates it),
+        and None when it is the epoch of another kind of broker than this process's."""
         value = client.get(self.epoch_key)
+        if value is not None and not self._same_broker(
+            value.decode() if isinstance(value, bytes) else str(value)
+        ):
+            if self.direct or fast:
+                return None  # published by the relay, through the workers' broker
+            value = None  # a deployment back on Redis: a new epoch
+            client.delete(self.epoch_key)
         if value is None and (self.direct or (fast and self.amqp_epoch is not None)):
             return None  # RabbitMQ's epoch is read and checked by the relay, not a submit
         if value is None and self.amqp_epoch is not None:
@@ -133,16 +149,50 @@ class Broker:
             value = client.get(self.epoch_key)
         return value.decode() if isinstance(value, bytes) else str(value)
 
+    def _same_broker(self, epoch: str) -> bool:
+        """Whether ``epoch`` is of this process's kind of broker; if not, says so once:
+        whatever this process would publish, the workers would never see."""
+        same = epoch.startswith(rabbit.EPOCH_PREFIX) == (self.amqp_epoch is not None)
+        if not same and not self._mismatch_told:
+            self._mismatch_told = True
+            mine, theirs = ("RabbitMQ", "Redis") if self.amqp_epoch is not None else ("Redis", "RabbitMQ")
+            log.error(
+                "this process's broker is %s but the workers' is %s: set CONVEYOR_BROKER_URL "
+                "to the workers' broker (until then its jobs are published by the workers' relay)",
+                mine,
+                theirs,
+            )
+        return same
+
     def _verified_amqp_epoch(self) -> str:
         """RabbitMQ's epoch, its marker queue checked (the relay asks every pass), cached."""
         assert self.amqp_epoch is not None
         raw = self.redis.get(self.epoch_key)
         cached = raw.decode() if isinstance(raw, bytes) else None
-        with self.app.pool.acquire(block=True) as conn:  # the relay asks every pass: no new connection
+        with self._inspecting() as conn:
             epoch = self.amqp_epoch.current(conn, cached, self._declare_on)
         if epoch != cached:
             self.redis.set(self.epoch_key, epoch)
         return epoch
+
+    @contextlib.contextmanager
+    def _inspecting(self) -> Iterator[Any]:
+        """This process's RabbitMQ connection for the relay's epoch check and queue counts
+        (every pass: not a new connection each time), dropped after any failure, so the
+        next use connects afresh (a node restarted under it)."""
+        with self._lock_inspect:
+            conn = self._inspect_conn
+            if conn is None or self._inspect_pid != os.getpid():
+                conn = self._inspect_conn = self.app.connection_for_write(heartbeat=0)
+                self._inspect_pid = os.getpid()
+            try:
+                conn.ensure_connection(max_retries=1)
+                yield conn
+            except BaseException:
+                self._inspect_conn = None
+                with contextlib.suppress(Exception):
+                    conn.release()
+                raise
 
     def _declare_on(self, connection: Any) -> None:
         channel = connection.default_channel
@@ -170,14 +220,16 @@ class Broker:
                 "socket_connect_timeout": timeout,
                 "retry_on_timeout": False,
             }
-            heartbeat = None
+            extra: dict[str, Any] = {}
             if self.amqp_epoch is not None:
-                # A quorum queue confirms after its Raft log is written: give it a second.
+                # A quorum queue confirms after its Raft log is written: give it a second,
+                # for the connect too, and no retry (kombu's would wait Celery's 4 s each).
                 wait = max(1.0, timeout or 0.0)
-                options = {"connect_timeout": wait, "read_timeout": wait, "write_timeout": wait}
+                options = {"read_timeout": wait, "write_timeout": wait, "max_retries": 0}
                 options["confirm_publish"] = True
-                heartbeat = 0  # idle between submits, nothing would answer the broker's heartbeats
-            local.conn = self.app.connection_for_write(transport_options=options, heartbeat=heartbeat)
+                # Idle between submits: nothing would answer the broker's heartbeats.
+                extra = {"heartbeat": 0, "connect_timeout": wait}
+            local.conn = self.app.connection_for_write(transport_options=options, **extra)
             local.pid = os.getpid()
             local.producer = None
         return local.conn
@@ -204,7 +256,7 @@ class Broker:
         """Messages waiting in each queue (not counting ones delivered and unacked)."""
         out: dict[str, int] = {}
         if self.amqp_epoch is not None:
-            with self.app.pool.acquire(block=True) as conn:
+            with self._inspecting() as conn:
                 return rabbit.message_counts(conn, queues)
         with self.app.connection_for_write() as conn:
             channel = conn.default_channel
@@ -264,8 +316,8 @@ class Broker:
             None,
             0,
             options.get("chord"),
-            _as_list(options.get("link")),
-            _as_list(options.get("link_error")),
+            as_list(options.get("link")),
+            as_list(options.get("link_error")),
             app.thread_oid,
             None,
             None,
@@ -295,7 +347,8 @@ class Broker:
                     routed["declare"] = []
                 # RabbitMQ closes a kept connection now and then (a restart, an idle
                 # timeout of a proxy): one more try on a fresh one before the relay's turn.
-                for tries_left in (1, 0) if confirmed else (0,):
+                kept = getattr(self._local, "conn", None) is not None
+                for tries_left in (1, 0) if confirmed and kept else (0,):
                     try:
                         producer = self._fast_producer()
                         if confirmed:
@@ -431,53 +484,3 @@ class Broker:
     def wake_channel(self, job_id: str) -> str:
         """The pub/sub channel announcing ``job_id``'s terminal state."""
         return f"{self.key_prefix}done:{job_id}"
-
-
-_PLAIN_CHARS = frozenset(
-    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 _-.:/@#$%^&*()[]{}<>,;!?=+~`|"
-)
-
-
-def _plain(value: Any) -> bool:
-    """A scalar that ``repr`` writes as Celery's ``saferepr`` does (no escapes, no quotes)."""
-    if value is None or isinstance(value, (bool, int, float)):
-        return True
-    return isinstance(value, str) and _PLAIN_CHARS.issuperset(value)
-
-
-def repr_limits(app: Celery) -> tuple[int, int]:
-    """The size and depth Celery gives ``saferepr`` for a message's ``kwargsrepr`` (Celery
-    5.6 has no ``task_repr_maxlevels`` setting: its ``saferepr`` default, 3)."""
-    return int(app.amqp.kwargsrepr_maxsize), int(app.conf.get("task_repr_maxlevels") or 3)
-
-
-def quick_kwargsrepr(payload: Mapping[str, Any], maxsize: int, maxlevels: int) -> str | None:
-    """``saferepr(payload, maxsize, maxlevels)`` (the message's ``kwargsrepr`` header) by
-    plain ``repr``, about 25 times faster, for the payloads where both write the same text:
-    a dict of plain scalars and of lists or dicts of plain scalars, well within ``maxsize``.
-    None for any other payload: Celery computes it (tests/unit/test_quick_repr.py)."""
-    if maxlevels < 3 or not isinstance(payload, dict):
-        return None
-    for key, value in payload.items():
-        if not (isinstance(key, str) and _PLAIN_CHARS.issuperset(key)):
-            return None
-        if _plain(value):
-            continue
-        if isinstance(value, list):
-            if not all(_plain(v) for v in value):
-                return None
-        elif isinstance(value, dict):
-            if not all(
-                isinstance(k, str) and _PLAIN_CHARS.issuperset(k) and _plain(v) for k, v in value.items()
-            ):
-                return None
-        else:
-            return None
-    text = repr(payload)
-    return text if len(text) <= maxsize // 2 else None
-
-
-def _as_list(value: Any) -> list[Any] | None:
-    if value is None:
-        return None
-    return list(value) if isinstance(value, (list, tuple)) else [value]

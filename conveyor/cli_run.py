@@ -296,8 +296,13 @@ def worker(
         # The bound replaces Celery's soft phase of a cold shutdown (SIGQUIT stays immediate).
         platform.app.conf.worker_soft_shutdown_timeout = 0
         argv = ["worker", "-l", "INFO", *ctx.args]
-        platform.app.worker_main(argv)
-        return 0
+        named = any(a in ("-n", "--hostname") or a.startswith("--hostname=") for a in ctx.args)
+        if platform.settings.broker_is_amqp() and not named:
+            # Celery's default name (celery@host) is shared by every worker of a host, and on
+            # RabbitMQ two workers of one name fight over its exclusive control queue forever.
+            argv += ["-n", f"worker-{os.getpid()}@%h"]
+        # Celery's worker_main drops the worker's exit code (1 after an unrecoverable error).
+        return int(platform.app.start(argv=argv) or 0)
 
     run_command(main)
 

@@ -213,10 +213,11 @@ class Client:
         *,
         database_url: str | None = None,
         redis_url: str | None = None,
+        broker_url: str | None = None,
         registry_ttl: float = 30.0,
     ) -> None:
         base = settings or ConveyorSettings()
-        urls = {"database_url": database_url, "redis_url": redis_url}
+        urls = {"database_url": database_url, "redis_url": redis_url, "broker_url": broker_url}
         self.settings = base.model_copy(update={k: v for k, v in urls.items() if v})
         self.app = Celery("conveyor-client", set_as_current=False)
         self.app.config_from_object(celery_config(self.settings, queues=[]))
@@ -419,9 +420,11 @@ def connect(
     *,
     database_url: str | None = None,
     redis_url: str | None = None,
+    broker_url: str | None = None,
 ) -> Client:
-    """A :class:`Client` for the deployment named by ``settings`` (default: the environment)."""
-    return Client(settings, database_url=database_url, redis_url=redis_url)
+    """A :class:`Client` for the deployment named by ``settings`` (default: the environment);
+    ``broker_url``: the workers' RabbitMQ, when they use one."""
+    return Client(settings, database_url=database_url, redis_url=redis_url, broker_url=broker_url)
 
 
 __all__ = ["Client", "DeadLetters", "connect"]

@@ -86,8 +86,9 @@ class AsyncClient:
         *,
         database_url: str | None = None,
         redis_url: str | None = None,
+        broker_url: str | None = None,
     ) -> None:
-        self.sync = Client(settings, database_url=database_url, redis_url=redis_url)
+        self.sync = Client(settings, database_url=database_url, redis_url=redis_url, broker_url=broker_url)
 
     @property
     def dlq(self) -> AsyncDeadLetters:

@@ -46,11 +46,15 @@ class FastPath:
         """Whether Redis failed to answer within the last ``cooldown`` seconds."""
         return time.monotonic() < self._open_until
 
-    def trip(self, why: BaseException | str) -> None:
-        """Stop asking Redis for ``cooldown`` seconds."""
+    def trip(self, why: BaseException | str, *, service: str = "Redis") -> None:
+        """Stop asking Redis (and the broker) for ``cooldown`` seconds; ``service`` is the
+        one that failed, for the log."""
         if not self.down:
             log.warning(
-                "Redis did not answer a submit (%s): submits go to Postgres only for %gs", why, self.cooldown
+                "%s did not answer a submit (%s): submits go to Postgres only for %gs",
+                service,
+                why,
+                self.cooldown,
             )
         self._open_until = time.monotonic() + self.cooldown
 

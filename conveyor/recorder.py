@@ -170,7 +170,8 @@ class Recorder:
             )
         except Exception as exc:
             if fast and not isinstance(exc, Unroutable):  # a missing queue is no Redis trouble
-                connections.fast.trip(type(exc).__name__)
+                service = "RabbitMQ" if connections.settings.broker_is_amqp() else "Redis"
+                connections.fast.trip(type(exc).__name__, service=service)
                 log.info("publish of job %s deferred to the relay: %s", new.id, exc)
             else:
                 log.warning("publish of job %s failed; the relay will publish it", new.id, exc_info=True)

@@ -160,8 +160,11 @@ class Relay:
         other_epoch = or_(
             jobs.c.broker_epoch.is_(None), jobs.c.broker_epoch < epoch, jobs.c.broker_epoch > epoch
         )
+        earlier = list(conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings())
+        if earlier:
+            log.info("republishing %d job(s) published before broker epoch %s", len(earlier), epoch)
         lost = [
-            *conn.execute(select(jobs).where(published, other_epoch).limit(BATCH)).mappings(),
+            *earlier,
             *(self._unclaimed_too_long(conn, epoch) if reconcile and self._unclaimed_due() else []),
             *self._taken_by_dead_workers(conn, orphans, epoch=epoch, seen={r["id"] for r in due}),
         ]
@@ -187,7 +190,16 @@ class Relay:
         rows: list[Any] = []
         for queue, short in self._shortfall(conn, epoch, stale).items():
             q = select(jobs).where(waiting, old, jobs.c.queue == queue)
-            rows += conn.execute(q.order_by(jobs.c.published_at).limit(short)).mappings()
+            found = list(conn.execute(q.order_by(jobs.c.published_at).limit(short)).mappings())
+            if found:
+                log.warning(
+                    "queue %s holds %d message(s) fewer than it has jobs waiting: republishing "
+                    "the %d oldest (lost messages: a deleted queue, a broker that lost them)",
+                    queue,
+                    short,
+                    len(found),
+                )
+            rows += found
         return rows
 
     def _unclaimed_due(self) -> bool:

@@ -105,7 +105,12 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
         registry.refresh(host.connections.engine, host.stages.values())
         # A stray interrupt must never end the worker itself (SIGUSR2's default action).
         host.heartbeat.install_interrupt_handler()
-        host.connections.broker.epoch(max_age=0)
+        try:
+            host.connections.broker.epoch(max_age=0)
+        except Exception as exc:  # the broker is still booting: Celery's consumer keeps trying
+            log.warning(
+                "broker epoch not read at start (%r): the relay reads it when the broker answers", exc
+            )
         deliveries = host.deliveries
         deliveries.beat(self.worker_id)
         deliveries.start(self.worker_id)

@@ -63,9 +63,10 @@ class StageRouter:
         queue = self.queues().get(name)
         if queue is None:
             return None
-        # Straight into the queue's list, as conveyor's own client publishes: no exchange
-        # or binding to declare, and no need for the app to know the queue.
-        return {"queue": Queue(queue, Exchange(""), routing_key=queue)}  # type: ignore[no-untyped-call]
+        # Straight into the queue (the default exchange), as conveyor's own client
+        # publishes: the app need not know the queue, and declares nothing. The workers
+        # declare it; on RabbitMQ a declaration without its arguments (quorum) would fail.
+        return {"queue": Queue(queue, Exchange(""), routing_key=queue, no_declare=True)}  # type: ignore[no-untyped-call]
 
     def queues(self) -> dict[str, str]:
         """Each registered stage's queue, by stage name."""

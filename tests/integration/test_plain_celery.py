@@ -38,8 +38,12 @@ def client(platform: Any) -> Iterator[conveyor.Client]:
 
 
 def _plain_app(platform: Any, name: str) -> Celery:
-    url = platform.settings.redis_url
-    return Celery(name, broker=url, backend=url, set_as_current=False)
+    # As the README says: the deployment's broker (RabbitMQ's URL when it has one), its
+    # Redis as the result backend.
+    settings = platform.settings
+    return Celery(
+        name, broker=settings.resolved_broker_url(), backend=settings.redis_url, set_as_current=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +83,13 @@ def test_without_the_router_a_message_waits_in_the_default_queue(platform: Any, 
     app = _plain_app(platform, "unrouted")
     try:
         result = app.send_task("conveyor.demo.square", kwargs={"n": 2})
-        eventually(lambda: platform.redis.llen(CELERY_DEFAULT_QUEUE) == 1, timeout=5)
+        waiting = platform.broker.message_counts
+        eventually(lambda: waiting([CELERY_DEFAULT_QUEUE])[CELERY_DEFAULT_QUEUE] == 1, timeout=5)
         assert job_row(platform, result.id) is None
         assert result.state == "PENDING"
     finally:
-        platform.redis.delete(CELERY_DEFAULT_QUEUE)
+        with app.connection_for_write() as conn:
+            conn.default_channel.queue_purge(CELERY_DEFAULT_QUEUE)
         app.close()
 
 

@@ -71,7 +71,9 @@ def test_a_node_stopped_or_killed_under_load_loses_no_job(
     handles = cluster.submit(tag, 30, sleep=0.2)
     eventually(lambda: sum(cluster.effects(f"{tag}-{i}") for i in range(30)) >= 6, timeout=60)
     getattr(cluster.node, outage)()
+    started = time.monotonic()
     more = cluster.submit(f"{tag}-down", 5)  # accepted while the broker is away: the relay sends them
+    assert time.monotonic() - started < 3.0  # a submit gives RabbitMQ a second, then moves on
     time.sleep(2)
     cluster.node.start()
     cluster.all_once(handles, tag)
@@ -105,3 +107,24 @@ def test_a_queue_deleted_under_load_loses_no_job(spawn: Spawn, cluster: Cluster,
     eventually(lambda: sum(cluster.effects(f"{tag}-{i}") for i in range(40)) >= 5, timeout=60)
     ctl("delete_queue", "-p", cluster.node.vhost, "demo", node=cluster.node.name)
     cluster.all_once(handles, tag, timeout=120)
+
+
+def test_a_worker_started_before_its_broker_waits_for_it(spawn: Spawn, cluster: Cluster, tag: str) -> None:
+    """Kubernetes starts pods in no order: a worker whose RabbitMQ is still booting keeps
+    trying (Celery's reconnect, and Conveyor's start-up reads the epoch later)."""
+    from conveyor.procs import start_worker, stop
+    from tests.fault.conftest import wait_ready
+
+    cluster.node.stop()
+    log = cluster.node.dir.parent / f"{tag}-early-worker.log"
+    proc = start_worker(cluster.settings, queues=["demo"], concurrency=1, log_path=log)
+    try:
+        time.sleep(4)
+        assert proc.poll() is None, log.read_text()[-2000:]
+        cluster.node.start()
+        wait_ready(log, proc)
+        handles = cluster.submit(tag, 3)
+        cluster.all_once(handles, tag)
+    finally:
+        stop(proc, timeout=10)
+        log.unlink(missing_ok=True)

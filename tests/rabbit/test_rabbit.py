@@ -112,3 +112,25 @@ def test_queue_length_gauges_read_rabbitmq(platform: Any, tag: str) -> None:
     for i in range(3):
         platform.submit("conveyor.demo.effect", {"note": f"{tag}-{i}"})
     assert queue_lengths(platform.connections, ["demo"]) == {"demo": before + 3}
+
+
+def test_a_client_left_on_redis_publishes_nothing_there_and_the_relay_sends_its_jobs(
+    platform: Any, tag: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An app that was not given CONVEYOR_BROKER_URL would publish to Redis lists no worker
+    reads. It sees from the epoch that the workers' broker is RabbitMQ, says so once, and
+    leaves its jobs to the relay, which publishes them there."""
+    import conveyor
+
+    platform.relay().tick()  # the RabbitMQ epoch, cached in Redis
+    stray = conveyor.connect(platform.settings.model_copy(update={"broker_url": None}))
+    try:
+        before = _ready(platform)
+        handles = [stray.submit("conveyor.demo.effect", {"note": f"{tag}-{i}"}) for i in range(2)]
+        assert all(h.row()["published_at"] is None for h in handles)
+        assert platform.redis.llen("demo") == 0  # nothing in a Redis list
+        assert "CONVEYOR_BROKER_URL" in caplog.text
+        platform.relay().tick()
+        assert _ready(platform) == before + 2
+    finally:
+        stray.close()
