@@ -16,7 +16,6 @@ does the same.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import signal
@@ -26,6 +25,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
+from conveyor.db.dialect import try_flock
 from conveyor.db.engine import normalize_url
 from conveyor.settings import ConveyorSettings
 
@@ -91,15 +91,8 @@ class BeatLock:
     def _try_flock(self) -> bool:
         if self._fd is not None:
             return True
-        path = self.settings.resolved_home() / "beat.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self._fd = fd
-        return True
+        self._fd = try_flock(self.settings.resolved_home() / "beat.lock")
+        return self._fd is not None
 
     def held_anywhere(self) -> bool:
         """Whether some beat holds the lock now (this process, or another anywhere)."""

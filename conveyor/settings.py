@@ -82,7 +82,9 @@ class ConveyorSettings(BaseSettings):
         10.0, description="a worker that has not refreshed its liveness key this long is dead"
     )
     detect_local_dead_owners: bool = Field(
-        True, description="take over at once a job whose owner process on this host is gone"
+        True,
+        description="take over at once a job whose owner process on this node (host, boot and PID "
+        "namespace) is gone",
     )
     max_requeues: int = Field(
         20, ge=0, description="uncounted requeues (outages, shutdowns) before a job is dead-lettered"

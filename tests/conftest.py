@@ -6,7 +6,6 @@ failure. The environment is set here, before the app module is imported.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import tempfile
 import uuid
@@ -14,6 +13,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from tests.locks import claim_numbered
 
 # Real projects that call Conveyor (tests/projects/*) have their own tests, which the
 # integration tests run in those projects' own directories and sessions.
@@ -34,19 +35,10 @@ def lock_free_redis_db() -> tuple[int, int]:
     """A Redis DB no other test session on this machine uses (1-11; the benchmarks use
     12-15), and the descriptor whose ``flock`` holds it until it is closed, so holders
     never flush each other's keys."""
-    for db in range(1, 12):
-        fd = os.open(
-            os.path.join(tempfile.gettempdir(), f"conveyor-test-redis-db-{db}.lock"),
-            os.O_RDWR | os.O_CREAT,
-            0o600,
-        )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return db, fd
-    raise RuntimeError("more than 11 concurrent test sessions: no free Redis DB")
+    claimed = claim_numbered("conveyor-test-redis-db", range(1, 12))
+    if claimed is None:
+        raise RuntimeError("more than 11 concurrent test sessions: no free Redis DB")
+    return claimed
 
 
 def _claim_redis_db() -> int:

@@ -283,15 +283,24 @@ def try_singleton_lock(conn: Connection, key: int, lock_dir: Path) -> bool:
 _held_files: dict[Path, int] = {}
 
 
-def _file_lock(path: Path) -> bool:
-    if path in _held_files:
-        return True
+def try_flock(path: Path) -> int | None:
+    """The descriptor of ``path`` holding an exclusive ``flock`` on it (closing it lets go),
+    or None while another holds it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        return None
+    return fd
+
+
+def _file_lock(path: Path) -> bool:
+    if path in _held_files:
+        return True
+    fd = try_flock(path)
+    if fd is None:
         return False
     _held_files[path] = fd
     return True

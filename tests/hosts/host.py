@@ -34,6 +34,16 @@ needs_unshare = pytest.mark.skipif(
 _NAMED = 'hostname "$0" && exec "$@"'
 
 
+# Timers of the host tests: a lease of 4 s, limits far from every window they watch.
+LEASE = 4.0
+TIMERS = {
+    "CONVEYOR_LEASE_TIMEOUT": str(LEASE),
+    "CONVEYOR_WORKER_ALIVE_TTL": "2",
+    "CONVEYOR_VISIBILITY_TIMEOUT": "400",
+    "CONVEYOR_DEFAULT_TIME_LIMIT": "300",
+    "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "290",
+}
+
 def faketime_library() -> str:
     """The ``libfaketime`` shared object the ``libfaketime`` wheel ships (a test extra)."""
     spec = importlib.util.find_spec("libfaketime")

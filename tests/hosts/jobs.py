@@ -4,13 +4,14 @@ skipped copies, takeovers (all on the database's clock)."""
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import select
 
 from conveyor.db.schema import job_events
-from tests.helpers import eventually, job_row
+from tests.helpers import eventually, job_row, publish_again
 
 # Below the Redis client's 30 s socket timeout, which would end the barrier's BLPOP with a
 # connection error (an infrastructure requeue): the tests release their barriers sooner.
@@ -48,16 +49,8 @@ def release(platform: Any, tag: str, n: int = 20) -> None:
 
 def send_copies(platform: Any, job_ids: Sequence[str]) -> None:
     """Publish one more message for each job (a duplicate delivery, as a redelivery is)."""
-    broker = platform.connections.broker
     for job_id in job_ids:
-        row = job_row(platform, job_id)
-        broker.publish(
-            stage=row["stage"],
-            job_id=row["id"],
-            queue=row["queue"],
-            payload=row["payload"],
-            options=row["options"] or {},
-        )
+        publish_again(platform, job_row(platform, job_id), task_id=str(uuid.uuid4()))
 
 
 def skipped(platform: Any, job_ids: Sequence[str], reason: str = "live_lease") -> dict[str, int]:

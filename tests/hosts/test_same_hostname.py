@@ -20,19 +20,11 @@ from conveyor.db.schema import jobs
 from conveyor.runfile import local_node
 from conveyor.store import ClaimOutcome, NewJob
 from tests.helpers import effect_count, eventually, job_row
-from tests.hosts.host import Hosts, needs_unshare
+from tests.hosts.host import LEASE, TIMERS, Hosts, needs_unshare
 from tests.hosts.jobs import held, release, send_copies, skipped, started, takeovers
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.fault, needs_unshare]
 
-LEASE = 4.0
-TIMERS = {
-    "CONVEYOR_LEASE_TIMEOUT": str(LEASE),
-    "CONVEYOR_WORKER_ALIVE_TTL": "2",
-    "CONVEYOR_VISIBILITY_TIMEOUT": "400",
-    "CONVEYOR_DEFAULT_TIME_LIMIT": "300",
-    "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "290",
-}
 
 
 def _liveness_ids(platform: Any, nodename: str) -> list[str]:

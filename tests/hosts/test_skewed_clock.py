@@ -16,22 +16,14 @@ from conveyor.db import schema as s
 from conveyor.db.schema import dedup_keys
 from conveyor.dedup import Dedup
 from tests.helpers import effect_count, eventually, job_row
-from tests.hosts.host import Hosts, clock_offset, needs_unshare, run_in, skewed
+from tests.hosts.host import LEASE, TIMERS, Hosts, clock_offset, needs_unshare, run_in, skewed
 from tests.hosts.jobs import running_for, started, story, takeovers
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.fault, needs_unshare]
 
 SKEW = 90.0
-LEASE = 4.0
 TTL = 30.0  # the throttle window: a third of the skew
 RUN = 26.0  # each job's run: past the watch of three leases and the takeover that follows
-TIMERS = {
-    "CONVEYOR_LEASE_TIMEOUT": str(LEASE),
-    "CONVEYOR_WORKER_ALIVE_TTL": "2",
-    "CONVEYOR_VISIBILITY_TIMEOUT": "400",
-    "CONVEYOR_DEFAULT_TIME_LIMIT": "300",
-    "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "290",
-}
 SUBMIT = """
 from config.celery_app import platform
 from conveyor.dedup import Dedup

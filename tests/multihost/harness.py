@@ -17,7 +17,6 @@ same ``N`` left behind is swept when ``N`` is taken again.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -33,6 +32,7 @@ from pathlib import Path
 from conveyor.procs import start_worker
 from conveyor.settings import ConveyorSettings
 from tests.fault.servers import PrivatePostgres, PrivateRedis, private_postgres, private_redis
+from tests.locks import claim_numbered
 from tests.rabbit_support import PrivateRabbit
 
 SUBNET_PREFIX = "10.231"
@@ -76,19 +76,10 @@ def can_run() -> str | None:
 def _claim_subnet() -> tuple[int, int]:
     """A subnet number no other session on this machine holds, and the descriptor whose
     ``flock`` holds it."""
-    for n in range(1, 255):
-        fd = os.open(
-            os.path.join(tempfile.gettempdir(), f"conveyor-multihost-net-{n}.lock"),
-            os.O_RDWR | os.O_CREAT,
-            0o600,
-        )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return n, fd
-    raise RuntimeError("no free multi-host subnet")
+    claimed = claim_numbered("conveyor-multihost-net", range(1, 255))
+    if claimed is None:
+        raise RuntimeError("no free multi-host subnet")
+    return claimed
 
 
 def _leftovers(n: int) -> Path:
