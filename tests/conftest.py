@@ -75,6 +75,16 @@ if ON_AMQP:
     os.environ["CONVEYOR_BROKER_URL"] = f"amqp://guest:guest@127.0.0.1:5672/{AMQP_VHOST}"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On RabbitMQ, the tests about Redis as Celery's broker do not apply."""
+    if not ON_AMQP:
+        return
+    skip = pytest.mark.skip(reason="inspects or breaks Redis as Celery's broker; this session's is RabbitMQ")
+    for item in items:
+        if item.get_closest_marker("redis_broker") is not None:
+            item.add_marker(skip)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--require-services",

@@ -26,7 +26,7 @@ from tests.fault.servers import PrivateRedis
 from tests.helpers import scratch_database
 from tests.integration.http_support import free_port
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.fault, pytest.mark.redis_broker]
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -23,7 +23,7 @@ from tests.fault.conftest import Spawn
 from tests.fault.servers import PrivatePostgres, PrivateRedis, private_postgres, private_redis
 from tests.helpers import eventually
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.fault]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.fault, pytest.mark.redis_broker]
 
 SUBMIT = """
 import json, sys

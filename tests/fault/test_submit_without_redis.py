@@ -26,7 +26,7 @@ from tests.fault.conftest import Spawn
 from tests.fault.servers import PrivateRedis, private_redis
 from tests.helpers import eventually
 
-pytestmark = [pytest.mark.timeout(240), pytest.mark.fault]
+pytestmark = [pytest.mark.timeout(240), pytest.mark.fault, pytest.mark.redis_broker]
 
 N = 100
 BUDGET_MS = 200

@@ -20,7 +20,7 @@ from conveyor.db.dialect import db_now
 from conveyor.db.schema import job_events, jobs
 from tests.helpers import discarded, eventually, publish_again
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_broker]
 
 N = 5_000
 PERIOD = 0.2  # republish_after for this module

@@ -29,7 +29,7 @@ from conveyor.db import schema as s
 from conveyor.db.schema import dead_letters
 from tests.helpers import eventually, job_row
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_broker]
 
 PAUSE = 1.0  # default_queue_pause of the worker here
 QUIET = ["--without-mingle", "--without-gossip", "--without-heartbeat", "-l", "WARNING"]

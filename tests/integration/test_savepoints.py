@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from conveyor.db import schema as s
 from tests.helpers import job_row
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.redis_broker]
 
 
 class Boom(Exception):

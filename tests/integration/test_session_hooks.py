@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, scoped_session, sessionmaker
 from conveyor.db import schema as s
 from tests.helpers import job_row
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.redis_broker]
 
 EVENTS = ("after_commit", "after_soft_rollback", "after_transaction_end", "after_rollback", "after_begin")
 

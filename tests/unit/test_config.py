@@ -10,6 +10,12 @@ from conveyor.celeryconfig import celery_config
 from conveyor.settings import ConveyorSettings, StageOverride
 
 
+@pytest.fixture(autouse=True)
+def _no_broker_from_the_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test names its broker (a RabbitMQ session sets CONVEYOR_BROKER_URL)."""
+    monkeypatch.delenv("CONVEYOR_BROKER_URL", raising=False)
+
+
 def test_refuses_hard_limit_not_below_visibility_timeout() -> None:
     with pytest.raises(ValidationError, match="below the visibility"):
         ConveyorSettings(visibility_timeout=60, default_time_limit=60)
