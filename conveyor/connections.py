@@ -69,10 +69,9 @@ class Connections:
         broker = self.settings.resolved_broker_url()
         if broker != self.app.conf.broker_url:
             # Celery keeps its producer pool for the life of the app: connections to the old
-            # broker must not serve publishes meant for the new one.
-            pool, self.app._pool = self.app._pool, None
-            if pool is not None:
-                pool.force_close_all()
+            # broker must not serve publishes meant for the new one. The pools are kombu's,
+            # shared per URL (and found again on a bind back): dropped here, never closed.
+            self.app._pool = None
             self.app.amqp._producer_pool = None
         fresh = celery_config(self.settings, queues=self.queues)
         self.app.conf.update({key: fresh.get(key) for key in BROKER_KEYS})
