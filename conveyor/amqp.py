@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kombu.entity import Exchange, Queue
@@ -92,9 +92,12 @@ def returns_of(producer: Any) -> Returns | None:
     return handler
 
 
-def check_returned(producer: Any, task_ids: Sequence[str]) -> None:
-    """Raise :class:`Unroutable` if the broker returned any message of ``task_ids``."""
-    handler = returns_of(producer)
+@contextlib.contextmanager
+def taken_by_queues(producer: Any, task_ids: Sequence[str]) -> Iterator[None]:
+    """Around the confirmed publishes of ``task_ids`` (none: nothing checked): raise
+    :class:`Unroutable` afterwards if the broker returned any of them."""
+    handler = returns_of(producer) if task_ids else None
+    yield
     if handler is None:
         return
     lost = [t for t in task_ids if handler.take(t)]
@@ -102,33 +105,27 @@ def check_returned(producer: Any, task_ids: Sequence[str]) -> None:
         raise Unroutable(f"{len(lost)} message(s) reached no queue (deleted queue or missing binding)")
 
 
-def queue_exists(connection: Any, name: str) -> bool:
-    """Whether queue ``name`` exists, on a channel of its own (a failed passive declare
-    closes the channel it ran on)."""
+def _ready(connection: Any, name: str) -> int | None:
+    """Ready messages in queue ``name``, None if it does not exist; on a channel of its
+    own (a failed passive declare closes the channel it ran on)."""
     channel = connection.channel()
     try:
-        channel.queue_declare(queue=name, passive=True)
-        return True
+        return int(channel.queue_declare(queue=name, passive=True).message_count)
     except connection.channel_errors:
-        return False
+        return None
     finally:
         with contextlib.suppress(Exception):
             channel.close()
 
 
+def queue_exists(connection: Any, name: str) -> bool:
+    """Whether queue ``name`` exists."""
+    return _ready(connection, name) is not None
+
+
 def message_counts(connection: Any, names: Sequence[str]) -> dict[str, int]:
     """Ready messages per queue (0 for a queue that does not exist)."""
-    out: dict[str, int] = {}
-    for name in names:
-        channel = connection.channel()
-        try:
-            out[name] = int(channel.queue_declare(queue=name, passive=True).message_count)
-        except connection.channel_errors:
-            out[name] = 0
-        finally:
-            with contextlib.suppress(Exception):
-                channel.close()
-    return out
+    return {name: _ready(connection, name) or 0 for name in names}
 
 
 class AmqpEpoch:
@@ -201,9 +198,9 @@ __all__ = [
     "AmqpEpoch",
     "Returns",
     "Unroutable",
-    "check_returned",
     "message_counts",
     "queue_exists",
     "quorum_queue",
     "returns_of",
+    "taken_by_queues",
 ]

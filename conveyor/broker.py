@@ -202,13 +202,11 @@ class Broker:
     def declare_all(self, *, fast: bool = False) -> None:
         """Declare every queue, exchange and binding, bypassing kombu's declared-cache
         (with ``fast``, over this thread's short-timeout submit connection)."""
-        with contextlib.ExitStack() as stack:
-            if fast:
-                channel = self._fast_connection().default_channel
-            else:
-                channel = stack.enter_context(self.app.connection_for_write()).default_channel
-            for queue in self.queues:
-                queue.bind(channel).declare()  # type: ignore[no-untyped-call]
+        if fast:
+            self._declare_on(self._fast_connection())
+            return
+        with self.app.connection_for_write() as conn:
+            self._declare_on(conn)
 
     def _fast_connection(self) -> Any:
         """This thread's broker connection for submits: short socket timeouts, no retry."""
@@ -351,31 +349,26 @@ class Broker:
                 for tries_left in (1, 0) if confirmed and kept else (0,):
                     try:
                         producer = self._fast_producer()
-                        if confirmed:
-                            rabbit.returns_of(producer)
-                        celery_amqp.send_task_message(producer, stage, message, retry=False, **routed)
+                        with rabbit.taken_by_queues(producer, [task_id] if confirmed else []):
+                            celery_amqp.send_task_message(producer, stage, message, retry=False, **routed)
                         break
+                    except rabbit.Unroutable:
+                        raise  # the broker answered: the connection is fine
                     except Exception:
                         self.drop_fast_connection()
                         if not tries_left:
                             raise
-                if confirmed:
-                    rabbit.check_returned(producer, [task_id])
                 return task_id
             with app.producer_or_acquire(None) as producer:
-                if not confirmed:
-                    celery_amqp.send_task_message(producer, stage, message, **routed)
-                    return task_id
-                rabbit.returns_of(producer)
-                celery_amqp.send_task_message(producer, stage, message, **routed)
                 try:
-                    rabbit.check_returned(producer, [task_id])
+                    with rabbit.taken_by_queues(producer, [task_id] if confirmed else []):
+                        celery_amqp.send_task_message(producer, stage, message, **routed)
                 except rabbit.Unroutable:
                     # The relay's publish: a queue is gone (deleted by hand, a node
                     # replaced). Declare them all and send once more.
                     self.declare_all()
-                    celery_amqp.send_task_message(producer, stage, message, **routed)
-                    rabbit.check_returned(producer, [task_id])
+                    with rabbit.taken_by_queues(producer, [task_id]):
+                        celery_amqp.send_task_message(producer, stage, message, **routed)
         return task_id
 
     def publish_many(
@@ -460,12 +453,9 @@ class Broker:
                     built = [build(job) for job in jobs]
                     if ready is not None:
                         ready()
-                    if confirmed:
-                        rabbit.returns_of(producer)
-                    for job, message in built:
-                        send(producer, job, message)
-                    if confirmed:
-                        rabbit.check_returned(producer, [job.task_id for job in jobs])
+                    with rabbit.taken_by_queues(producer, [job.task_id for job in jobs] if confirmed else []):
+                        for job, message in built:
+                            send(producer, job, message)
                     return
                 with producer.batch(max_size=len(jobs) + 1):
                     for job in jobs:
