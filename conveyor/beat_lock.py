@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from celery import beat as celery_beat
 from sqlalchemy.engine import make_url
 
 from conveyor.db.dialect import try_flock
@@ -174,4 +175,27 @@ class BeatLock:
             self._fd = None
 
 
-__all__ = ["BEAT_LOCK", "BeatLock"]
+class Scheduler(celery_beat.Scheduler):  # type: ignore[misc]  # celery.beat has no hints
+    """Celery's in-memory scheduler, built with SIGTERM and SIGINT held back.
+
+    Beat builds its scheduler lazily, after it has installed its stop handler, and that
+    handler asks for the scheduler again: a SIGTERM arriving mid-build re-entered the build
+    (and an import half done) and beat exited 1 with a traceback. Here a stop asked for
+    during the build is kept, and honoured once the build is done.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        asked: list[int] = []
+        held = (signal.SIGTERM, signal.SIGINT)
+        previous = {s: signal.signal(s, lambda signum, _frame: asked.append(signum)) for s in held}
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+        if asked:
+            log.info("beat: asked to stop while starting; stopping")
+            raise SystemExit(0)
+
+
+__all__ = ["BEAT_LOCK", "BeatLock", "Scheduler"]

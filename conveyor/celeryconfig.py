@@ -118,7 +118,7 @@ def celery_config(
         "task_default_queue": default_queue,
         "task_routes": dict(routes or {}),
         "worker_state_db": None,
-        "beat_scheduler": "celery.beat:Scheduler",
+        "beat_scheduler": "conveyor.beat_lock:Scheduler",
         "timezone": "UTC",
         "enable_utc": True,
     }
