@@ -1,7 +1,7 @@
 """The embedded default (SQLite) under one big document: a 100-file ``conveyor files
-submit`` beside a document yielding over 20 MB of text. No stage, relay, heartbeat or CLI
-transaction holds SQLite's single writer for more than 2 s (every process logs any that
-does), and the CLI never shows a traceback."""
+submit`` beside a DOCX that passes the unpack caps and yields over 20 MB of text. No
+stage, relay, heartbeat or CLI transaction holds SQLite's single writer for more than 2 s
+(every process logs any that does), and the CLI never shows a traceback."""
 
 from __future__ import annotations
 
@@ -41,11 +41,36 @@ WORDS = [
 ]
 
 
-def _big_text(path: Path, megabytes: int) -> None:
-    line = (" ".join(WORDS) + ". ") * 8 + "\n"
-    with path.open("w") as handle:
-        for _ in range(megabytes * 1024 * 1024 // len(line) + 1):
-            handle.write(line)
+def _big_docx(path: Path, megabytes: int) -> None:
+    """A DOCX that passes the unpack caps (its XML compresses about 2:1, far under the ratio
+    limit, and unpacks to well under the absolute cap) and yields ``megabytes`` of text:
+    the seed's "one big document" as a user's word processor would write it."""
+    import io
+    import random
+    import zipfile
+    from xml.sax.saxutils import escape
+
+    import docx
+
+    rng = random.Random(11)
+    vocabulary = WORDS + [
+        "".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=rng.randint(3, 10))) for _ in range(4000)
+    ]
+    paragraphs, size = [], 0
+    while size < megabytes * 1024 * 1024:
+        text = " ".join(rng.choices(vocabulary, k=1500)) + "."
+        paragraphs.append(f'<w:p><w:r><w:t xml:space="preserve">{escape(text)}</w:t></w:r></w:p>')
+        size += len(text) + 2
+    template = io.BytesIO()
+    docx.Document().save(template)
+    with zipfile.ZipFile(template) as source:
+        xml = source.read("word/document.xml").decode()
+        body = xml.index("<w:body>") + len("<w:body>")
+        xml = xml[:body] + "".join(paragraphs) + xml[body:]
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as target:
+            for info in source.infolist():
+                content = xml.encode() if info.filename == "word/document.xml" else source.read(info)
+                target.writestr(info.filename, content)
 
 
 def _probe_writer(db: str, stop: threading.Event, waits: list[float]) -> None:
@@ -66,7 +91,7 @@ def test_a_big_document_beside_a_100_file_submit_never_holds_the_writer_long(
     platform = on_sqlite
     docs = tmp_path / "docs"
     docs.mkdir()
-    _big_text(docs / "000-big.txt", 21)
+    _big_docx(docs / "000-big.docx", 21)
     for i in range(1, 100):
         (docs / f"{i:03d}.txt").write_text(f"Note {i}: " + " ".join(WORDS[i % 5 :] * 3))
     paths = sorted(docs.iterdir())
@@ -111,7 +136,7 @@ def test_a_big_document_beside_a_100_file_submit_never_holds_the_writer_long(
     with platform.engine.connect() as conn:
         batch = conn.execute(select(batches).where(batches.c.owner == tag)).mappings().one()
         big = (
-            conn.execute(select(files).where(files.c.owner == tag, files.c.name == "000-big.txt"))
+            conn.execute(select(files).where(files.c.owner == tag, files.c.name == "000-big.docx"))
             .mappings()
             .one()
         )

@@ -106,6 +106,11 @@ def test_jobs_list_piped_keeps_a_long_label_whole(platform: Any, dead: dict[str,
     assert dead["label"] in line
 
 
+def test_jobs_show_piped_keeps_a_long_label_whole(platform: Any, dead: dict[str, Any]) -> None:
+    out = ok(conveyor(platform, "jobs", "show", dead["job"]))
+    assert any(dead["label"] in line for line in out.splitlines()), out
+
+
 # -- dlq ----------------------------------------------------------------------------------
 
 
@@ -134,6 +139,11 @@ def test_dlq_list_piped_keeps_a_long_label_whole(platform: Any, dead: dict[str, 
     lines = [line for line in out.splitlines() if dead["label"] in line]
     assert len(lines) == 1, out[-3000:]
     assert dead["job"] in lines[0]
+
+
+def test_dlq_show_piped_keeps_a_long_label_whole(platform: Any, dead: dict[str, Any]) -> None:
+    out = ok(conveyor(platform, "dlq", "show", str(dead["entry"])))
+    assert any(dead["label"] in line for line in out.splitlines()), out
 
 
 def test_missing_records_are_an_error_not_json(platform: Any) -> None:
@@ -204,3 +214,17 @@ def test_files_submit_streams_each_path(
     result = CliRunner().invoke(app, ["submit", str(path), "--user", tag, "--timeout", "120"])
     assert result.exit_code == 0, result.output
     assert "ready=1" in result.output
+
+
+# -- tokens -------------------------------------------------------------------------------
+
+
+def test_tokens_list_json_and_piped_keep_a_long_owner_and_name_whole(platform: Any, tag: str) -> None:
+    owner, name = long_name(f"{tag}-owner", 64), long_name(f"{tag}-name", 150)
+    made = conveyor(platform, "tokens", "create", "--owner", owner, "--scope", "read", "--name", name)
+    assert made.returncode == 0, made.stderr
+    listed = parsed(conveyor(platform, "tokens", "list", "--owner", owner, "--json"))
+    assert [(t["owner"], t["name"]) for t in listed] == [(owner, name)]
+    out = ok(conveyor(platform, "tokens", "list", "--owner", owner))
+    lines = [line for line in out.splitlines() if owner in line]
+    assert len(lines) == 1 and name in lines[0], out
