@@ -155,6 +155,20 @@ class JobContext:
                     raise LeaseLost(f"job {self.job_id} no longer holds lease {self.held.key}")
             yield conn
 
+    def rollback(self) -> None:
+        """Drop what the body wrote on :attr:`connection` so far and end its transaction
+        (on SQLite it holds the one writer); the outcome is then recorded on its own."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                if conn.in_transaction():
+                    conn.rollback()
+            finally:
+                conn.close()
+
     # -- used by the runner -------------------------------------------------------------
 
     def take_connection(self) -> Connection | None:

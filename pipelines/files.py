@@ -602,13 +602,28 @@ def reembed(platform: Platform, owner: str) -> int:
                 pieces = fit_chunks(cut, embedder.count_tokens, embedder.max_tokens)
                 texts = [(p.ordinal, p.text) for p in pieces]
         vectors = embed_packed(embedder, texts, batch=EMBED_BATCH)
-        with platform.engine.begin() as conn:
-            if pieces is not None:  # new rows: vectors go to their ids, by ordinal
-                flow.replace_chunks(conn, file_id, owner, pieces)
-                ids = [chunk_id for chunk_id, _ in flow.chunk_texts(conn, file_id)]
-                vectors = [(ids[ordinal], vector) for ordinal, vector in vectors]
-                conn.execute(update(files).where(files.c.id == file_id).values(chunk_count=len(pieces)))
-            flow.write_vectors(conn, file_id, owner, embedder.name, vectors)
+        staged = retired = None
+        if pieces is not None and platform.engine.dialect.name == "sqlite":  # see flow.stage_chunks
+            staged = flow.staging_key("reembed", file_id, uuid.uuid4())
+            flow.stage_chunks(platform.engine.begin, staged, owner, pieces)
+        try:
+            with platform.engine.begin() as conn:
+                if pieces is not None:  # new rows: vectors go to their ids, by ordinal
+                    if staged is None:
+                        flow.replace_chunks(conn, file_id, owner, pieces)
+                    else:
+                        retired = flow.retire_chunks(conn, file_id)
+                        flow.adopt_chunks(conn, staged, file_id)
+                    ids = [chunk_id for chunk_id, _ in flow.chunk_texts(conn, file_id)]
+                    vectors = [(ids[ordinal], vector) for ordinal, vector in vectors]
+                    conn.execute(update(files).where(files.c.id == file_id).values(chunk_count=len(pieces)))
+                flow.write_vectors(conn, file_id, owner, embedder.name, vectors)
+        except BaseException:
+            if staged is not None:
+                flow.drain_chunks(platform.engine.begin, staged)
+            raise
+        if retired is not None:
+            flow.drain_chunks(platform.engine.begin, retired)
         written += len(vectors)
     return written
 

@@ -126,3 +126,33 @@ def test_a_file_cancelled_mid_stage_ends_the_job_skipped_and_writes_nothing(
     assert (batch["cancelled"], batch["ready"]) == (1, 0)
     with platform.engine.connect() as conn:
         assert conn.execute(select(files.c.status).where(files.c.id == file_id)).scalar_one() == "cancelled"
+
+
+def test_a_file_cancelled_while_its_chunks_are_staged_leaves_none_on_sqlite(
+    on_sqlite: Any, worker: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On SQLite the chunk stage stages a big document's chunks in short transactions
+    before its outcome: a cancel meanwhile leaves no chunk row at all (the file's or
+    staged), whichever way the job ends."""
+    from tasks.files import flow
+
+    monkeypatch.setattr(flow, "STAGE_BYTES", 2048)  # ~1500 staging transactions: the cancel lands among them
+    for attempt in range(5):
+        owner = f"{tag}-{attempt}"
+        landed = _cancel_mid_stage(on_sqlite, owner, "chunk", "chunking")
+        if landed is not None:
+            break
+    else:
+        pytest.fail("the cancel never landed while chunk ran")
+    batch_id, file_id = landed
+    job = eventually(
+        lambda: (j := _job(on_sqlite, "chunk", file_id)) is not None and j["status"] in s.TERMINAL and j,
+        timeout=60,
+    )
+    assert job["status"] in (s.SKIPPED, s.CANCELLED), (job["status"], job["last_error"])
+    with on_sqlite.engine.connect() as conn:
+        left = conn.execute(select(func.count()).where(chunks.c.owner == owner)).scalar_one()
+    assert left == 0
+    assert search(on_sqlite, "lighthouse beekeeper caldera", owner=owner) == []
+    batch = completed(on_sqlite, batch_id, timeout=30)
+    assert (batch["cancelled"], batch["ready"]) == (1, 0)

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from sqlalchemy import insert, text, update
+from sqlalchemy import func, insert, select, text, update
 
 from conveyor.errors import PayloadInvalid
 from conveyor.procs import service_env
@@ -23,7 +23,7 @@ from tasks.files import flow
 from tasks.files.chunking import Chunk
 from tasks.files.embedding import HashingEmbedder, load_embedder, pack
 from tasks.files.errors import EmbeddingModelMismatch
-from tasks.files.models import FAILED, READY, files
+from tasks.files.models import FAILED, READY, chunks, files
 from tests.helpers import scratch_database
 from tests.integration.files_support import embedded_chunks
 
@@ -235,8 +235,11 @@ class TinyBudget:
 
 
 def test_reembed_for_a_model_with_a_token_budget_cuts_the_chunks_again(
-    platform: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+    db: Any, tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On SQLite the new chunks are staged and swapped in (flow.stage_chunks): the old
+    ones leave search and the table."""
+    platform = db
     long = " ".join(f"word{i}" for i in range(40)) + " lighthouse"
     file_id = put(platform, tag, "long.txt", long)
     with platform.engine.begin() as conn:
@@ -249,6 +252,9 @@ def test_reembed_for_a_model_with_a_token_budget_cuts_the_chunks_again(
     assert embedded_chunks(platform, [file_id]) == len(pieces)
     hits = search(platform, "lighthouse", owner=tag, ranking="vector")
     assert [h.name for h in hits] == ["long.txt"] and "lighthouse" in hits[0].text
+    with platform.engine.connect() as conn:
+        owned = conn.execute(select(func.count()).where(chunks.c.owner == tag)).scalar_one()
+    assert owned == len(pieces)  # neither the old chunks nor staged ones are left
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
