@@ -224,7 +224,8 @@ def search(
             return 0
         if not hits:
             err.print("no results")
-        print_lines(f"{h.score:.3f}  {h.name}  #{h.ordinal}: {h.text[:100]!r}" for h in hits)
+        rows = [(f"{h.score:.3f}", h.name, h.ordinal, h.text) for h in hits]
+        print_table(["score", "file", "chunk", "text"], rows, short={3: 100})
         return 0
 
     run_command(main, wait=wait, read_only=True)

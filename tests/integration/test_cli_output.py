@@ -179,6 +179,12 @@ def test_files_search_json(platform: Any, worker: Any, tag: str) -> None:
     assert hits[0]["name"] == f"{tag}-000-beekeeping.txt"
     assert {"file_id", "name", "ordinal", "score", "text"} <= set(hits[0])
     assert parsed(conveyor(platform, "files", "search", "queen", "--user", f"{tag}-nobody", "--json")) == []
+    # Piped, the plain output keeps every cell whole: the chunk's text too.
+    piped = ok(conveyor(platform, "files", "search", "queen brood frames varroa", "--user", tag))
+    header, first = piped.splitlines()[:2]
+    assert header.split("\t") == ["score", "file", "chunk", "text"]
+    cells = first.split("\t")
+    assert cells[1] == hits[0]["name"] and cells[3] == " ".join(hits[0]["text"].split())
 
 
 @needs_seal
