@@ -300,7 +300,8 @@ def worker(
         if platform.settings.broker_is_amqp() and not named:
             # Celery's default name (celery@host) is shared by every worker of a host, and on
             # RabbitMQ two workers of one name fight over its exclusive control queue forever.
-            argv += ["-n", f"worker-{os.getpid()}@%h"]
+            # A pid alone repeats across pid namespaces (every container's worker is pid 1).
+            argv += ["-n", f"worker-{os.getpid()}-{secrets.token_hex(3)}@%h"]
         # Celery's worker_main drops the worker's exit code (1 after an unrecoverable error).
         return int(platform.app.start(argv=argv) or 0)
 

@@ -46,6 +46,10 @@ def terminate_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _node_name(hostname: str | None) -> str:
+    return f"conveyor-{os.getpid()}-{time.monotonic_ns()}@%h" if hostname is None else hostname
+
+
 def start_worker(
     settings: ConveyorSettings,
     *,
@@ -63,7 +67,7 @@ def start_worker(
     a child process, or with ``plain_celery`` ``celery -A <app> worker`` (unbounded). With
     ``die_with_parent`` it gets SIGTERM when the calling process dies, however it dies.
     ``prefix`` is a command the worker's command line runs under (``unshare …`` or
-    ``nsenter …`` into another host's namespaces)."""
+    ``nsenter …`` into another host's namespaces). ``hostname=""``: the worker names itself."""
     command = ["celery", "-A", settings.app] if plain_celery else ["conveyor"]
     args = [
         *prefix,
@@ -81,8 +85,7 @@ def start_worker(
         "INFO",
         "--without-mingle",
         "--without-gossip",
-        "-n",
-        hostname or f"conveyor-{os.getpid()}-{time.monotonic_ns()}@%h",
+        *(["-n", name] if (name := _node_name(hostname)) else []),
         *extra_args,
     ]
     out = open(log_path, "ab") if log_path else None  # noqa: SIM115
