@@ -183,16 +183,7 @@ class JobContext:
         tokens, self._log_tokens = self._log_tokens, None
         if tokens is not None:  # first, so a failing rollback cannot leave them bound
             unbind_job(tokens)
-        if self._session is not None:
-            self._session.close()
-            self._session = None
-        if self._conn is not None:
-            try:
-                if self._conn.in_transaction():
-                    self._conn.rollback()
-            finally:
-                self._conn.close()
-                self._conn = None
+        self.rollback()
 
 
 __all__ = ["ContextServices", "JobContext"]

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,15 +29,6 @@ from tests.integration.files_support import embedded_chunks
 pytestmark = pytest.mark.timeout(120)
 
 MODEL = load_embedder("wordllama-256")
-
-
-@pytest.fixture(params=["postgres", "sqlite"])
-def db(request: pytest.FixtureRequest, platform: Any) -> Iterator[Any]:
-    """The platform on Postgres, then on a fresh SQLite file."""
-    if request.param == "sqlite":
-        yield request.getfixturevalue("on_sqlite")
-    else:
-        yield platform
 
 
 def put(

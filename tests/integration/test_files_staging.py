@@ -5,7 +5,6 @@ the full-text index whole, and draining deletes a few at a time."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -20,14 +19,6 @@ from tasks.files.models import CHUNKING, READY, chunks, files
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(params=["postgres", "sqlite"])
-def db(request: pytest.FixtureRequest, platform: Any) -> Iterator[Any]:
-    if request.param == "sqlite":
-        yield request.getfixturevalue("on_sqlite")
-    else:
-        yield platform
-
-
 def _file(platform: Any, owner: str, status: str) -> str:
     file_id = str(uuid.uuid4())
     now = datetime.now(UTC)
@@ -38,6 +29,13 @@ def _file(platform: Any, owner: str, status: str) -> str:
                 status=status, created_at=now, updated_at=now,
             )
         )  # fmt: skip
+    return file_id
+
+
+def _file_with_chunks(platform: Any, owner: str, status: str, texts: list[str]) -> str:
+    file_id = _file(platform, owner, status)
+    with platform.engine.begin() as conn:
+        flow.replace_chunks(conn, file_id, owner, _pieces(*texts))
     return file_id
 
 
@@ -85,9 +83,7 @@ def test_retired_chunks_leave_search_and_drain_a_few_at_a_time(
     db: Any, tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(flow, "DELETE_ROWS", 3)
-    file_id = _file(db, tag, READY)
-    with db.engine.begin() as conn:
-        flow.replace_chunks(conn, file_id, tag, _pieces(*[f"sourdough starter {i}" for i in range(10)]))
+    file_id = _file_with_chunks(db, tag, READY, [f"sourdough starter {i}" for i in range(10)])
     staged = flow.staging_key("test", file_id)
     flow.stage_chunks(db.engine.begin, staged, tag, _pieces("basalt caldera"))
     with db.engine.begin() as conn:
@@ -105,9 +101,7 @@ def test_draining_a_files_chunks_stops_once_the_file_moves(
     db: Any, tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(flow, "DELETE_ROWS", 2)
-    file_id = _file(db, tag, CHUNKING)
-    with db.engine.begin() as conn:
-        flow.replace_chunks(conn, file_id, tag, _pieces(*[f"orchid {i}" for i in range(9)]))
+    file_id = _file_with_chunks(db, tag, CHUNKING, [f"orchid {i}" for i in range(9)])
     begun = 0
 
     def begin() -> Any:
