@@ -12,6 +12,7 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
         "kwargs": {"n": 0},
         "options": {"expires": 240},
     },
-    # Completes sealed batches whose chord counter was lost (Postgres owns completion).
+    # Completes sealed batches whose chord counter was lost (Postgres owns completion),
+    # sweeps dead uploads and what dead chunk attempts staged.
     "files-reconcile": {"task": "conveyor.files.reconcile", "schedule": 60.0, "options": {"expires": 50}},
 }

@@ -18,6 +18,7 @@ from sqlalchemy import Connection, and_, case, delete, func, insert, or_, select
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db.dialect import db_now
+from conveyor.db.schema import RUNNING, jobs
 from tasks.files.chunking import Chunk
 from tasks.files.embedding import pack_ids
 from tasks.files.models import (
@@ -34,6 +35,7 @@ from tasks.files.models import (
     chunks,
     file_vectors,
     files,
+    staging,
 )
 
 PROGRESS_STATES = (UPLOADED, QUEUED, EXTRACTING, CHUNKING, EMBEDDING, READY, FAILED, CANCELLED)
@@ -315,6 +317,52 @@ def adopt_chunks(conn: Connection, key: str, file_id: str) -> None:
     conn.execute(delete(file_vectors).where(file_vectors.c.file_id == file_id))
     conn.execute(delete(chunks).where(chunks.c.file_id == file_id))
     conn.execute(update(chunks).where(chunks.c.file_id == key).values(file_id=file_id))
+    conn.execute(delete(staging).where(staging.c.key == key))
+
+
+def claim_staging(conn: Connection, key: str, file_id: str, job_id: str, attempt: int) -> None:
+    """Record that attempt ``attempt`` of ``job_id`` stages under ``key`` (in a fenced
+    transaction, before it stages anything): see :func:`sweep_staging`."""
+    conn.execute(
+        insert(staging).values(key=key, file_id=file_id, job_id=job_id, attempt=attempt, created_at=db_now())
+    )
+
+
+def staged_by(conn: Connection, job_id: str, *, before: int) -> list[str]:
+    """The staging keys of ``job_id``'s attempts before ``before`` (what they left)."""
+    return list(
+        conn.execute(
+            select(staging.c.key).where(staging.c.job_id == job_id, staging.c.attempt < before)
+        ).scalars()
+    )
+
+
+def release_staging(begin: Begin, key: str) -> None:
+    """Drain what was staged under ``key``, then forget the key."""
+    drain_chunks(begin, key)
+    with begin() as conn:
+        conn.execute(delete(staging).where(staging.c.key == key))
+
+
+def sweep_staging(begin: Begin) -> int:
+    """Release every staging key whose attempt no longer owns its job (it died, or its job
+    ended or was taken over): nothing will adopt those chunks. Exact, not timed: the job's
+    ``attempts`` only grows, so an attempt that lost its job never owns it again, and its
+    fenced writes are refused from then on. Returns how many keys were released."""
+    owner = jobs.c.id == staging.c.job_id
+    with begin() as conn:
+        dead = list(
+            conn.execute(
+                select(staging.c.key)
+                .select_from(staging.outerjoin(jobs, owner))
+                .where(
+                    or_(jobs.c.id.is_(None), jobs.c.status != RUNNING, jobs.c.attempts != staging.c.attempt)
+                )
+            ).scalars()
+        )
+    for key in dead:
+        release_staging(begin, key)
+    return len(dead)
 
 
 def retire_chunks(conn: Connection, file_id: str) -> str:

@@ -93,6 +93,20 @@ chunks = Table(
     Index("ix_file_chunks_owner", "owner"),
 )
 
+# What a chunk attempt staged (SQLite; see tasks.files.flow.stage_chunks): the attempt that
+# owns each staging key, so that what a dead attempt left behind is found and drained once
+# that attempt no longer owns its job (the job's attempts counter is its fencing token).
+staging = Table(
+    own("file_chunk_staging"),
+    metadata,
+    Column("key", String(36), primary_key=True),
+    Column("file_id", String(36), nullable=False),
+    Column("job_id", String(36), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("created_at", Timestamp(), nullable=False),
+    Index("ix_file_chunk_staging_job", "job_id"),
+)
+
 # A file's chunk vectors in one row (search reads a user's vectors on every query: a row
 # per file instead of per chunk is a twentieth of the rows, and rows are what costs).
 # ``chunk_ids``: int64 little-endian; ``vectors``: float32 little-endian, one per chunk id,

@@ -307,8 +307,12 @@ def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
     # SQLite: the chunks are staged in short transactions first (see flow.stage_chunks).
     key = flow.staging_key(ctx.job_id, ctx.attempt)
     try:
-        for earlier in range(1, ctx.attempt):  # what an attempt that died left staged
-            flow.drain_chunks(ctx.fenced, flow.staging_key(ctx.job_id, earlier))
+        with reading(current_platform().engine) as conn:
+            left = flow.staged_by(conn, ctx.job_id, before=ctx.attempt)
+        for earlier in left:  # what an attempt that died left staged
+            flow.release_staging(ctx.fenced, earlier)
+        with ctx.fenced() as conn:
+            flow.claim_staging(conn, key, p.file_id, ctx.job_id, ctx.attempt)
         flow.drain_chunks(ctx.fenced, p.file_id, while_status=CHUNKING)  # a rerun's old chunks
         flow.stage_chunks(ctx.fenced, key, row["owner"], pieces, between=lambda: ctx.checkpoint(fresh=False))
         _advance(ctx, p, CHUNKING, EMBEDDING, chunk_count=len(pieces))
@@ -321,12 +325,12 @@ def chunk_stage(ctx: JobContext, p: FileRef) -> dict[str, Any]:
 
 
 def _discard_staged(key: str) -> None:
-    """Best effort (the job's next attempt also clears them): staged chunks no outcome
-    will adopt."""
+    """Best effort (the job's next attempt, or else the reconciler's sweep, also clears
+    them): staged chunks no outcome will adopt."""
     try:
-        flow.drain_chunks(current_platform().engine.begin, key)
+        flow.release_staging(current_platform().engine.begin, key)
     except Exception:
-        log.warning("could not discard staged chunks %s; the next attempt will", key, exc_info=True)
+        log.warning("could not discard staged chunks %s; the sweep will", key, exc_info=True)
 
 
 # Texts per embedding call: wordllama's working arrays grow with the batch (a 22 MB
@@ -367,7 +371,8 @@ class NoArgs(BaseModel):
 @stage("conveyor.files.reconcile", payload=NoArgs, queue=BATCH_QUEUE)
 def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
     """Periodic: complete any sealed batch whose files are all terminal (lost chord counter),
-    and sweep uploads whose process died half way (their object, then their row)."""
+    sweep uploads whose process died half way (their object, then their row), and drain
+    what dead chunk attempts staged."""
     with reading(current_platform().engine) as conn:
         open_ids = (
             conn.execute(
@@ -386,6 +391,7 @@ def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
         "completed": done,
         "swept": sweep_uploads(older_than=stale),
         "unconfirmed": cancel_unconfirmed(older_than=stale),
+        "unstaged": flow.sweep_staging(current_platform().engine.begin),
     }
 
 

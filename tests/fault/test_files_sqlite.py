@@ -5,6 +5,7 @@ stage, relay, heartbeat or CLI transaction holds SQLite's single writer for more
 
 from __future__ import annotations
 
+import random
 import sqlite3
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 
 from conveyor.procs import service_env
 from tasks.files.models import batches, files
@@ -161,3 +162,56 @@ def test_messy_documents_get_a_clear_answer_on_sqlite(on_sqlite: Any, spawn: Spa
     completed(on_sqlite, batch_id, timeout=120)
     ids = {f["name"]: f["id"] for f in batch_status(on_sqlite, batch_id)["files"]}
     check_messy(on_sqlite, tag, ids)
+
+
+def test_a_last_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
+    on_sqlite: Any, spawn: Spawn, tag: str
+) -> None:
+    """SIGKILL on the job's last attempt half way through staging: nothing adopts what it
+    staged, and nothing else ever would; the sweep of the reconciler drains it all."""
+    from conveyor.db.schema import jobs
+    from pipelines.files import Upload, confirm, upload
+    from tasks.files import flow
+    from tasks.files.models import chunks, staging
+    from tests.fault.conftest import kill_group
+
+    platform = on_sqlite
+    rng = random.Random(5)
+    text = " ".join(rng.choices(WORDS + [f"w{i}" for i in range(3000)], k=1_600_000))  # ~9 MB
+    file_id = upload(platform, tag, Upload("long-notes.txt", text.encode()))
+    first = spawn(concurrency=1, settings=platform.settings)
+    assert confirm(platform, file_id)
+
+    def staging_under_way() -> tuple[str, str] | None:
+        with platform.engine.connect() as conn:
+            row = conn.execute(
+                select(staging.c.key, staging.c.job_id).where(staging.c.file_id == file_id)
+            ).first()
+            if row is None:
+                return None
+            staged = conn.execute(select(func.count()).where(chunks.c.file_id == row.key)).scalar_one()
+        return (row.key, row.job_id) if staged else None
+
+    key, job_id = eventually(staging_under_way, timeout=120, interval=0.02)
+    with platform.engine.begin() as conn:  # the attempt running now is the job's last one
+        conn.execute(
+            update(jobs).where(jobs.c.id == job_id).values(max_attempts=jobs.c.attempts - jobs.c.uncounted)
+        )
+    kill_group(first)
+    with platform.engine.connect() as conn:
+        left = conn.execute(select(func.count()).where(chunks.c.file_id == key)).scalar_one()
+        status = conn.execute(select(files.c.status).where(files.c.id == file_id)).scalar_one()
+    assert left > 0 and status == "chunking"  # killed half way: staged, not adopted
+
+    spawn(concurrency=1, settings=platform.settings)  # its relay buries the lost last attempt
+    eventually(lambda: _status(platform, file_id) == "failed", timeout=120)
+    assert flow.sweep_staging(platform.engine.begin) <= 1  # (or a reconcile got there first)
+    with platform.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(chunks)).scalar_one() == 0
+        assert conn.execute(select(func.count()).select_from(staging)).scalar_one() == 0
+    print(f"staged_chunks_swept={left}")
+
+
+def _status(platform: Any, file_id: str) -> str:
+    with platform.engine.connect() as conn:
+        return str(conn.execute(select(files.c.status).where(files.c.id == file_id)).scalar_one())

@@ -4,6 +4,7 @@ the full-text index whole, and draining deletes a few at a time."""
 
 from __future__ import annotations
 
+import subprocess
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -11,10 +12,13 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
+from conveyor.db.schema import jobs
+from conveyor.runfile import owner_id
+from conveyor.store import ClaimOutcome, NewJob
 from pipelines.files import search
 from tasks.files import flow
 from tasks.files.chunking import Chunk
-from tasks.files.models import CHUNKING, READY, chunks, files
+from tasks.files.models import CHUNKING, READY, chunks, files, staging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,3 +118,64 @@ def test_draining_a_files_chunks_stops_once_the_file_moves(
 
     flow.drain_chunks(begin, file_id, while_status=CHUNKING)
     assert _count(db, file_id) == 5  # two transactions of two, then it stopped
+
+
+def _attempt(platform: Any, job_id: str | None, owner: str) -> tuple[str, int]:
+    """Claim ``job_id`` (a new job when None) for ``owner``: its running attempt."""
+    with platform.engine.begin() as conn:
+        if job_id is None:
+            new = NewJob(stage="conveyor.files.chunk", queue="files", payload={}, max_attempts=3)
+            job_id, _ = platform.store.insert(conn, new)
+        claim = platform.store.claim(conn, job_id, owner=owner, task_id=str(uuid.uuid4()))
+    assert claim.outcome is ClaimOutcome.RUN
+    return job_id, int(claim.job["attempts"])
+
+
+def _staged(platform: Any, file_id: str, job_id: str, attempt: int, n: int) -> str:
+    key = flow.staging_key(job_id, attempt)
+    with platform.engine.begin() as conn:
+        flow.claim_staging(conn, key, file_id, job_id, attempt)
+    flow.stage_chunks(platform.engine.begin, key, "someone", _pieces(*[f"pumice {i}" for i in range(n)]))
+    return key
+
+
+def test_the_sweep_drains_what_dead_attempts_staged_and_spares_the_live_one(
+    db: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(flow, "DELETE_ROWS", 2)
+    file_id = _file(db, tag, CHUNKING)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    job_id, first = _attempt(db, None, owner_id(gone.pid))  # its worker is dead...
+    taken = _staged(db, file_id, job_id, first, 5)
+    job_id, second = _attempt(db, job_id, owner_id())  # ...so it was taken over
+    live = _staged(db, file_id, job_id, second, 3)
+    purged = _staged(db, file_id, str(uuid.uuid4()), 1, 4)  # its job is gone (retention)
+
+    assert flow.sweep_staging(db.engine.begin) >= 2  # (the database may be shared)
+    assert (_count(db, taken), _count(db, purged), _count(db, live)) == (0, 0, 3)
+    with db.engine.connect() as conn:
+        assert conn.execute(select(staging.c.key).where(staging.c.file_id == file_id)).scalars().all() == [
+            live
+        ]
+    flow.sweep_staging(db.engine.begin)
+    assert _count(db, live) == 3  # the live attempt keeps what it staged
+
+    with db.engine.begin() as conn:  # it ends (here: failed) without adopting them
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(status="failed"))
+    assert flow.sweep_staging(db.engine.begin) >= 1
+    assert _count(db, live) == 0
+    _fts_whole(db)
+
+
+def test_adopting_forgets_the_staging_key(db: Any, tag: str) -> None:
+    file_id = _file(db, tag, CHUNKING)
+    job_id, attempt = _attempt(db, None, owner_id())
+    key = _staged(db, file_id, job_id, attempt, 3)
+    with db.engine.begin() as conn:
+        flow.adopt_chunks(conn, key, file_id)
+        conn.execute(update(jobs).where(jobs.c.id == job_id).values(status="succeeded"))
+    flow.sweep_staging(db.engine.begin)
+    assert _count(db, file_id) == 3
+    with db.engine.connect() as conn:
+        assert conn.execute(select(staging.c.key).where(staging.c.key == key)).first() is None

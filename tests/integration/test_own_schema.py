@@ -66,14 +66,14 @@ def test_beside_an_app_everything_goes_into_the_conveyor_schema(platform: Any, w
     with postgres() as (url, engine):
         an_app_of_its_own(engine)
         upgrade(engine)
-        assert OURS | {"alembic_version", "tokens"} <= tables_in(engine, "conveyor")
+        assert OURS | {"alembic_version", "tokens", "file_chunk_staging"} <= tables_in(engine, "conveyor")
         assert tables_in(engine, "public") == {"jobs", "alembic_version"}
         with engine.connect() as conn:
             assert conn.execute(text("SELECT version_num FROM public.alembic_version")).scalars().all() == [
                 "app_0007"
             ]
             heads = set(conn.execute(text("SELECT version_num FROM conveyor.alembic_version")).scalars())
-            assert {"0018", "d002", "f004"} <= heads
+            assert {"0018", "d002", "f005"} <= heads
             functions = conn.execute(
                 text("SELECT proname FROM pg_proc WHERE pronamespace = 'public'::regnamespace")
             ).scalars()
@@ -172,6 +172,7 @@ def test_an_sqlite_database_of_an_older_conveyor_takes_the_prefix(tmp_path: Path
         upgrade(engine)
         names = set(inspect(engine).get_table_names())
         assert {f"conveyor_{t}" for t in OURS - {"conveyor_counters"}} | {"conveyor_alembic_version"} <= names
+        assert "conveyor_file_chunk_staging" in names and "file_chunk_staging" not in names
         assert not names & (OURS - {"conveyor_counters"}) and "alembic_version" not in names
         with engine.connect() as conn:
             hits = lexical(conn, "alice", "fresnel")  # the FTS index, rebuilt under its new name
@@ -220,10 +221,10 @@ def test_each_deployment_upgrades_the_branches_it_has(tmp_path: Path) -> None:
         upgrade(engine)  # this deployment: the platform, the demo and the files branches
         with engine.connect() as conn:
             before = set(conn.execute(text("SELECT version_num FROM conveyor_alembic_version")).scalars())
-        platform_upgrade(engine)  # only the platform's branch: d002 and f004 are not known here
+        platform_upgrade(engine)  # only the platform's branch: d002 and f005 are not known here
         with engine.connect() as conn:
             after = set(conn.execute(text("SELECT version_num FROM conveyor_alembic_version")).scalars())
-        assert after == before and {"d002", "f004"} <= after
+        assert after == before and {"d002", "f005"} <= after
         with engine.begin() as conn:  # as if a newer Conveyor had added its 0099
             conn.execute(
                 text(
