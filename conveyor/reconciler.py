@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, exists, or_, select, tuple_, update
+from sqlalchemy import delete, exists, func, or_, select, tuple_, update
 
 from conveyor.connections import Connections
 from conveyor.db import schema as s
@@ -28,6 +28,9 @@ from conveyor.stages import Stages
 from conveyor.store import JobStore, counted_attempts, new_event
 
 BATCH = 500  # rows per query of one pass
+# Rows of each table the retention purge deletes per pass: a pass every 2 s keeps up with
+# 5,000 finished jobs a second, and one pass after a week's outage stays short.
+PURGE_ROWS = 10_000
 
 
 @dataclass
@@ -219,20 +222,21 @@ class Reconciler:
         return out
 
     def _purge(self, conn: Any) -> int:
+        """Delete what is past retention, at most ``PURGE_ROWS`` rows of each table a pass
+        (the rest next pass), so the pass's transaction stays short after a long outage."""
         settings = self.connections.settings
         keep = -settings.retention_days * 86400
-        n = conn.execute(
-            delete(jobs).where(jobs.c.status.in_(list(s.TERMINAL)), jobs.c.finished_at < db_now_plus(keep))
-        ).rowcount
-        n += conn.execute(delete(job_events).where(job_events.c.created_at < db_now_plus(keep))).rowcount
+        finished = jobs.c.status.in_(list(s.TERMINAL))
+        n = _purge_some(conn, jobs, jobs.c.finished_at, finished, jobs.c.finished_at < db_now_plus(keep))
+        n += _purge_some(
+            conn, job_events, job_events.c.created_at, job_events.c.created_at < db_now_plus(keep)
+        )
         n += self._purge_orphan_keys(conn)
         n += self.followers.purge(conn)
-        n += conn.execute(
-            delete(dead_letters).where(
-                dead_letters.c.created_at < db_now_plus(-settings.dlq_retention_days * 86400)
-            )
-        ).rowcount
-        return int(n or 0)
+        dlq_keep = -settings.dlq_retention_days * 86400
+        old_letters = dead_letters.c.created_at < db_now_plus(dlq_keep)
+        n += _purge_some(conn, dead_letters, dead_letters.c.created_at, old_letters)
+        return n
 
     def _purge_orphan_keys(self, conn: Any) -> int:
         """Delete dedup keys whose holder is gone (purged, or never committed), sweeping
@@ -267,6 +271,18 @@ class Reconciler:
                 "conveyor_interrupt", arguments={"job_id": job_id, "attempt": attempt, "task_id": task_id}
             )
         self._unparked, self._interrupts, self._burials, self._stuck = [], [], [], []
+
+
+def _purge_some(conn: Any, table: Any, oldest: Any, *where: Any) -> int:
+    """Delete up to ``PURGE_ROWS`` rows of ``table`` matching ``where``, ``oldest`` first:
+    found through the index of ``oldest``, deleted through the primary key."""
+    doomed = select(table.c.id).where(*where).order_by(oldest).limit(PURGE_ROWS)
+    if conn.dialect.name == "postgresql":
+        # With ``IN (subquery)`` the planner hash-joins a scan of the whole table instead.
+        target = table.c.id == func.any(func.array(doomed.scalar_subquery()))
+    else:
+        target = table.c.id.in_(doomed)
+    return int(conn.execute(delete(table).where(target)).rowcount or 0)
 
 
 __all__ = ["Reconciler", "TickReport"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from typing import Any
 
 import pytest
@@ -306,6 +307,48 @@ def test_keys_of_vanished_holders_are_swept_a_window_per_pass(platform: Any, tag
                 break
     with platform.engine.connect() as conn:
         assert conn.execute(left).scalar_one() == 0
+
+
+def test_the_retention_purge_takes_a_bounded_batch_a_pass(
+    db: Any, tag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a long outage, what is past retention goes a batch per pass (``PURGE_ROWS``
+    rows of each table), not in one transaction that holds the pass for minutes."""
+    from datetime import UTC, datetime, timedelta
+
+    from sqlalchemy import func, insert, select, update
+
+    from conveyor import reconciler
+    from conveyor.db.schema import job_events, jobs
+    from conveyor.store import NewJob
+
+    monkeypatch.setattr(reconciler, "PURGE_ROWS", 4)
+    platform = db
+    old = datetime.now(UTC) - timedelta(days=30)
+    with platform.engine.begin() as conn:
+        ids = [
+            platform.store.insert(conn, NewJob(stage=f"{tag}.old", queue="demo", payload={}, max_attempts=1))[
+                0
+            ]
+            for _ in range(10)
+        ]
+        conn.execute(update(jobs).where(jobs.c.id.in_(ids)).values(status="succeeded", finished_at=old))
+        conn.execute(
+            insert(job_events),
+            [{"job_id": i, "topic": f"{tag}.old", "body": {}, "created_at": old} for i in ids],
+        )
+    mine = select(func.count()).select_from(jobs).where(jobs.c.id.in_(ids))
+    my_events = select(func.count()).select_from(job_events).where(job_events.c.topic == f"{tag}.old")
+    purger = platform.relay().reconciler
+    left = [(10, 10)]
+    for _ in range(100):
+        with platform.engine.begin() as conn:
+            purger._purge(conn)
+            left.append((conn.execute(mine).scalar_one(), conn.execute(my_events).scalar_one()))
+        if left[-1] == (0, 0):
+            break
+    assert left[-1] == (0, 0)
+    assert all(a[0] - b[0] <= 4 and a[1] - b[1] <= 4 for a, b in pairwise(left)), left
 
 
 def test_the_relays_epoch_scan_reads_only_other_epochs(big: Any) -> None:
