@@ -5,7 +5,9 @@ stage, relay, heartbeat or CLI transaction holds SQLite's single writer for more
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, update
 
+from conveyor.db.engine import reading
 from conveyor.procs import service_env
 from tasks.files.models import batches, files
 from tasks.files.stages import _settings
@@ -164,11 +167,13 @@ def test_messy_documents_get_a_clear_answer_on_sqlite(on_sqlite: Any, spawn: Spa
     check_messy(on_sqlite, tag, ids)
 
 
-def test_a_last_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
-    on_sqlite: Any, spawn: Spawn, tag: str
+@pytest.mark.parametrize("last", [False, True], ids=["then-retried", "on-its-last-attempt"])
+def test_a_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
+    on_sqlite: Any, spawn: Spawn, tag: str, last: bool
 ) -> None:
-    """SIGKILL on the job's last attempt half way through staging: nothing adopts what it
-    staged, and nothing else ever would; the sweep of the reconciler drains it all."""
+    """SIGKILL half way through staging. Retried: the next attempt releases what the dead
+    one staged, and the file ends ``ready`` with its chunks once. On the job's last
+    attempt: nothing will adopt them, and the reconciler's sweep drains them all."""
     from conveyor.db.schema import jobs
     from pipelines.files import Upload, confirm, upload
     from tasks.files import flow
@@ -182,36 +187,56 @@ def test_a_last_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
     first = spawn(concurrency=1, settings=platform.settings)
     assert confirm(platform, file_id)
 
-    def staging_under_way() -> tuple[str, str] | None:
-        with platform.engine.connect() as conn:
+    eventually(lambda: _status(platform, file_id) == "chunking", timeout=120)
+
+    def staged_not_adopted() -> Any:
+        with reading(platform.engine) as conn:  # a WAL reader: never waits for the writer
             row = conn.execute(
                 select(staging.c.key, staging.c.job_id).where(staging.c.file_id == file_id)
             ).first()
-            if row is None:
-                return None
-            staged = conn.execute(select(func.count()).where(chunks.c.file_id == row.key)).scalar_one()
-        return (row.key, row.job_id) if staged else None
+            staged = (
+                row is not None
+                and conn.execute(select(func.count()).where(chunks.c.file_id == row.key)).scalar()
+            )
+        return row if staged else None
 
-    key, job_id = eventually(staging_under_way, timeout=120, interval=0.02)
-    with platform.engine.begin() as conn:  # the attempt running now is the job's last one
-        conn.execute(
-            update(jobs).where(jobs.c.id == job_id).values(max_attempts=jobs.c.attempts - jobs.c.uncounted)
-        )
+    def stopped_while_staging() -> Any:
+        """Half way through staging, frozen (SIGSTOP) so that it cannot go on, and seen
+        still half way once frozen: then the kill lands there."""
+        if staged_not_adopted() is None:
+            return None
+        os.killpg(first.pid, signal.SIGSTOP)
+        row = staged_not_adopted()
+        if row is None:  # it adopted them meanwhile
+            os.killpg(first.pid, signal.SIGCONT)
+        return row
+
+    key, job_id = eventually(stopped_while_staging, timeout=120, interval=0.02)
     kill_group(first)
+    if last:  # the attempt that died was the job's last one
+        with platform.engine.begin() as conn:
+            counted = jobs.c.attempts - jobs.c.uncounted
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(max_attempts=counted))
     with platform.engine.connect() as conn:
         left = conn.execute(select(func.count()).where(chunks.c.file_id == key)).scalar_one()
         status = conn.execute(select(files.c.status).where(files.c.id == file_id)).scalar_one()
     assert left > 0 and status == "chunking"  # killed half way: staged, not adopted
 
-    spawn(concurrency=1, settings=platform.settings)  # its relay buries the lost last attempt
-    eventually(lambda: _status(platform, file_id) == "failed", timeout=120)
-    assert flow.sweep_staging(platform.engine.begin) <= 1  # (or a reconcile got there first)
+    spawn(concurrency=1, settings=platform.settings)  # its relay takes over the lost attempt
+    if last:
+        eventually(lambda: _status(platform, file_id) == "failed", timeout=120)
+        assert flow.sweep_staging(platform.engine.begin) <= 1  # (or a reconcile got there first)
+    else:
+        eventually(lambda: _status(platform, file_id) == "ready", timeout=120)
     with platform.engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(chunks)).scalar_one() == 0
+        kept = conn.execute(select(func.count()).select_from(chunks)).scalar_one()
+        ordinals = conn.execute(select(func.count(func.distinct(chunks.c.ordinal)))).scalar_one()
+        count = conn.execute(select(files.c.chunk_count).where(files.c.id == file_id)).scalar_one()
         assert conn.execute(select(func.count()).select_from(staging)).scalar_one() == 0
-    print(f"staged_chunks_swept={left}")
+    assert kept == (0 if last else count) and kept == ordinals  # every chunk once, none staged
+    print(f"staged_chunks_left_by_the_kill={left} chunks_kept={kept}")
 
 
 def _status(platform: Any, file_id: str) -> str:
-    with platform.engine.connect() as conn:
+    with reading(platform.engine) as conn:
         return str(conn.execute(select(files.c.status).where(files.c.id == file_id)).scalar_one())
