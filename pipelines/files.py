@@ -605,6 +605,8 @@ def reembed(platform: Platform, owner: str) -> int:
         staged = retired = None
         if pieces is not None and platform.engine.dialect.name == "sqlite":  # see flow.stage_chunks
             staged = flow.staging_key("reembed", file_id, uuid.uuid4())
+            with platform.engine.begin() as conn:  # killed half way, the reconciler drains it
+                flow.claim_staging(conn, staged, file_id)
             flow.stage_chunks(platform.engine.begin, staged, owner, pieces)
         try:
             with platform.engine.begin() as conn:
@@ -620,10 +622,10 @@ def reembed(platform: Platform, owner: str) -> int:
                 flow.write_vectors(conn, file_id, owner, embedder.name, vectors)
         except BaseException:
             if staged is not None:
-                flow.drain_chunks(platform.engine.begin, staged)
+                flow.release_staging(platform.engine.begin, staged)
             raise
         if retired is not None:
-            flow.drain_chunks(platform.engine.begin, retired)
+            flow.release_staging(platform.engine.begin, retired)
         written += len(vectors)
     return written
 

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Connection, and_, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
-from conveyor.db.dialect import db_now
+from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.schema import RUNNING, jobs
 from tasks.files.chunking import Chunk
 from tasks.files.embedding import pack_ids
@@ -320,9 +320,12 @@ def adopt_chunks(conn: Connection, key: str, file_id: str) -> None:
     conn.execute(delete(staging).where(staging.c.key == key))
 
 
-def claim_staging(conn: Connection, key: str, file_id: str, job_id: str, attempt: int) -> None:
-    """Record that attempt ``attempt`` of ``job_id`` stages under ``key`` (in a fenced
-    transaction, before it stages anything): see :func:`sweep_staging`."""
+def claim_staging(
+    conn: Connection, key: str, file_id: str, job_id: str | None = None, attempt: int | None = None
+) -> None:
+    """Record who stages under ``key`` before anything is staged there: attempt
+    ``attempt`` of ``job_id`` (in a fenced transaction), or no job (a re-embed). See
+    :func:`sweep_staging`."""
     conn.execute(
         insert(staging).values(key=key, file_id=file_id, job_id=job_id, attempt=attempt, created_at=db_now())
     )
@@ -344,31 +347,37 @@ def release_staging(begin: Begin, key: str) -> None:
         conn.execute(delete(staging).where(staging.c.key == key))
 
 
-def sweep_staging(begin: Begin) -> int:
-    """Release every staging key whose attempt no longer owns its job (it died, or its job
-    ended or was taken over): nothing will adopt those chunks. Exact, not timed: the job's
-    ``attempts`` only grows, so an attempt that lost its job never owns it again, and its
-    fenced writes are refused from then on. Returns how many keys were released."""
-    owner = jobs.c.id == staging.c.job_id
+def sweep_staging(begin: Begin, *, stale_after: float) -> int:
+    """Release every dead staging key: nothing will adopt its chunks. A chunk attempt's
+    key is dead once the attempt no longer owns its job (it died, or its job ended or was
+    taken over): exact, since the job's ``attempts`` only grows, so an attempt that lost
+    its job never owns it again and its fenced writes are refused from then on. A key no
+    job owns (a re-embed's, in a caller's process) is dead once older than
+    ``stale_after`` seconds. Returns how many keys were released."""
+    lost = or_(jobs.c.id.is_(None), jobs.c.status != RUNNING, jobs.c.attempts != staging.c.attempt)
+    dead = or_(
+        and_(staging.c.job_id.is_not(None), lost),
+        and_(staging.c.job_id.is_(None), staging.c.created_at < db_now_plus(-stale_after)),
+    )
     with begin() as conn:
-        dead = list(
+        keys = list(
             conn.execute(
                 select(staging.c.key)
-                .select_from(staging.outerjoin(jobs, owner))
-                .where(
-                    or_(jobs.c.id.is_(None), jobs.c.status != RUNNING, jobs.c.attempts != staging.c.attempt)
-                )
+                .select_from(staging.outerjoin(jobs, jobs.c.id == staging.c.job_id))
+                .where(dead)
             ).scalars()
         )
-    for key in dead:
+    for key in keys:
         release_staging(begin, key)
-    return len(dead)
+    return len(keys)
 
 
 def retire_chunks(conn: Connection, file_id: str) -> str:
     """In a swap's transaction: the file's current chunks move out of its way, under a key
-    of their own, to be drained after the commit. Returns that key."""
+    of their own (recorded, no job: see :func:`sweep_staging`), to be released after the
+    commit. Returns that key."""
     key = staging_key("retired", file_id, uuid.uuid4())
+    claim_staging(conn, key, file_id)
     conn.execute(update(chunks).where(chunks.c.file_id == file_id).values(file_id=key))
     return key
 

@@ -93,16 +93,18 @@ chunks = Table(
     Index("ix_file_chunks_owner", "owner"),
 )
 
-# What a chunk attempt staged (SQLite; see tasks.files.flow.stage_chunks): the attempt that
-# owns each staging key, so that what a dead attempt left behind is found and drained once
-# that attempt no longer owns its job (the job's attempts counter is its fencing token).
+# Chunks written under a staging key (SQLite; see tasks.files.flow.stage_chunks) and who
+# writes them: a chunk attempt (``job_id``, ``attempt``), whose key is dead once that
+# attempt no longer owns its job (the job's attempts counter is its fencing token), or a
+# re-embed in the caller's process (no job), whose key is dead once it is older than the
+# stale-upload bound. The reconciler drains dead keys.
 staging = Table(
     own("file_chunk_staging"),
     metadata,
     Column("key", String(36), primary_key=True),
     Column("file_id", String(36), nullable=False),
-    Column("job_id", String(36), nullable=False),
-    Column("attempt", Integer, nullable=False),
+    Column("job_id", String(36), nullable=True),
+    Column("attempt", Integer, nullable=True),
     Column("created_at", Timestamp(), nullable=False),
     Index("ix_file_chunk_staging_job", "job_id"),
 )

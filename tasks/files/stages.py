@@ -391,7 +391,7 @@ def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
         "completed": done,
         "swept": sweep_uploads(older_than=stale),
         "unconfirmed": cancel_unconfirmed(older_than=stale),
-        "unstaged": flow.sweep_staging(current_platform().engine.begin),
+        "unstaged": flow.sweep_staging(current_platform().engine.begin, stale_after=stale),
     }
 
 

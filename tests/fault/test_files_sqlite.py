@@ -225,7 +225,9 @@ def test_a_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
     spawn(concurrency=1, settings=platform.settings)  # its relay takes over the lost attempt
     if last:
         eventually(lambda: _status(platform, file_id) == "failed", timeout=120)
-        assert flow.sweep_staging(platform.engine.begin) <= 1  # (or a reconcile got there first)
+        assert (
+            flow.sweep_staging(platform.engine.begin, stale_after=3600) <= 1
+        )  # (or a reconcile got there first)
     else:
         eventually(lambda: _status(platform, file_id) == "ready", timeout=120)
     with platform.engine.connect() as conn:

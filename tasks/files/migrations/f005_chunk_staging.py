@@ -1,4 +1,4 @@
-"""the chunk attempts' staging keys, so that what a dead attempt staged is swept
+"""the staging keys of chunk writers (a chunk attempt, a re-embed), so that what a dead one staged is swept
 
 Revision ID: f005
 Revises: f004
@@ -24,8 +24,8 @@ def upgrade() -> None:
         table,
         sa.Column("key", sa.String(length=36), nullable=False),
         sa.Column("file_id", sa.String(length=36), nullable=False),
-        sa.Column("job_id", sa.String(length=36), nullable=False),
-        sa.Column("attempt", sa.Integer(), nullable=False),
+        sa.Column("job_id", sa.String(length=36), nullable=True),
+        sa.Column("attempt", sa.Integer(), nullable=True),
         sa.Column("created_at", Timestamp(), nullable=False),
         sa.PrimaryKeyConstraint("key", name="pk_file_chunk_staging"),
     )
