@@ -372,8 +372,18 @@ class NoArgs(BaseModel):
 def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
     """Periodic: complete any sealed batch whose files are all terminal (lost chord counter),
     sweep uploads whose process died half way (their object, then their row), and drain
-    what dead chunk attempts staged."""
-    with reading(current_platform().engine) as conn:
+    what dead chunk attempts staged.
+
+    The sweeps go first, each in transactions of its own: on SQLite the job's transaction
+    (``ctx.connection``, for the completions) holds the one writer until the job ends, so
+    a sweep after a completion waited for it forever. Cancelling unconfirmed files first
+    also lets their batches complete in this same pass."""
+    engine = current_platform().engine
+    stale = _settings().files.stale_upload_after
+    swept = sweep_uploads(older_than=stale)
+    unconfirmed = cancel_unconfirmed(older_than=stale)
+    unstaged = flow.sweep_staging(engine.begin, stale_after=stale)
+    with reading(engine) as conn:
         open_ids = (
             conn.execute(
                 select(batches.c.id).where(
@@ -386,13 +396,7 @@ def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
             .all()
         )
     done = sum(1 for b in open_ids if flow.try_complete(ctx.connection, b, _emitter(ctx)))
-    stale = _settings().files.stale_upload_after
-    return {
-        "completed": done,
-        "swept": sweep_uploads(older_than=stale),
-        "unconfirmed": cancel_unconfirmed(older_than=stale),
-        "unstaged": flow.sweep_staging(current_platform().engine.begin, stale_after=stale),
-    }
+    return {"completed": done, "swept": swept, "unconfirmed": unconfirmed, "unstaged": unstaged}
 
 
 def cancel_unconfirmed(*, older_than: float) -> int:

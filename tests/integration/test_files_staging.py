@@ -200,3 +200,34 @@ def test_a_key_no_job_owns_is_swept_once_stale(db: Any, tag: str) -> None:
     with db.engine.connect() as conn:
         assert conn.execute(select(staging.c.key).where(staging.c.file_id == file_id)).first() is None
     _fts_whole(db)
+
+
+def test_the_files_reconciler_completes_and_sweeps_in_one_pass_on_sqlite(
+    on_sqlite: Any, worker: Any, tag: str
+) -> None:
+    """The periodic ``conveyor.files.reconcile`` job on SQLite, with a batch to complete (a
+    lost chord counter) and a dead staging key to sweep: its own transaction holds the one
+    writer once it completes a batch, so its sweeps, in transactions of their own, must
+    not come after that (they waited for the writer forever)."""
+    from conveyor.db import schema as s
+    from tasks.files.models import batches
+
+    db = on_sqlite
+    now = datetime.now(UTC)
+    batch_id = str(uuid.uuid4())
+    with db.engine.begin() as conn:
+        conn.execute(
+            insert(batches).values(
+                id=batch_id, owner=tag, sealed=True, total=0, terminal=0, ready=0, failed=0, cancelled=0,
+                status="processing", created_at=now,
+            )
+        )  # fmt: skip
+    file_id = _file(db, tag, CHUNKING)
+    dead = _staged(db, file_id, str(uuid.uuid4()), 1, 3)  # its job is gone
+    job = db.submit("conveyor.files.reconcile", {})
+    assert job.wait(30) == s.SUCCEEDED
+    with db.engine.connect() as conn:
+        assert (
+            conn.execute(select(batches.c.status).where(batches.c.id == batch_id)).scalar_one() == "completed"
+        )
+    assert _count(db, dead) == 0
