@@ -5,20 +5,12 @@ a caller's span arrives there as one trace, the caller's, with the workers' ``se
 
 from __future__ import annotations
 
-import gzip
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
 from celery import chain
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -27,98 +19,19 @@ import tasks.demo as demo
 from conveyor.db import schema as s
 from tests.fault.conftest import Spawn
 from tests.helpers import eventually, job_row
+from tests.peers import OtlpCollector, Received, otlp_collector
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fault]
 
 
-@dataclass(frozen=True)
-class Received:
-    """A span as the collector received it."""
-
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    attributes: dict[str, Any]
-
-
-class Collector(ThreadingHTTPServer):
-    """An OTLP/HTTP trace receiver: ``POST /v1/traces`` with a protobuf body."""
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.spans: list[Received] = []
-        self.lock = threading.Lock()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1/traces"
-
-    def received(self) -> list[Received]:
-        with self.lock:
-            return list(self.spans)
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: Collector
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        if self.headers.get("Content-Encoding") == "gzip":
-            body = gzip.decompress(body)
-        if self.path != "/v1/traces" or self.headers.get("Content-Type") != "application/x-protobuf":
-            self.send_error(415)
-            return
-        request = ExportTraceServiceRequest.FromString(body)
-        spans = []
-        for resource_spans in request.resource_spans:
-            resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-            for scope_spans in resource_spans.scope_spans:
-                for sp in scope_spans.spans:
-                    attributes = {a.key: _value(a.value) for a in sp.attributes}
-                    spans.append(
-                        Received(
-                            resource.get("service.name", ""),
-                            sp.name,
-                            sp.trace_id.hex(),
-                            sp.span_id.hex(),
-                            sp.parent_span_id.hex(),
-                            attributes,
-                        )
-                    )
-        with self.server.lock:
-            self.server.spans.extend(spans)
-        reply = ExportTraceServiceResponse().SerializeToString()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", str(len(reply)))
-        self.end_headers()
-        self.wfile.write(reply)
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
-
-
 @pytest.fixture
-def collector() -> Iterator[Collector]:
-    server = Collector()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield server
-    finally:
-        server.shutdown()
-        server.server_close()
+def collector() -> Iterator[OtlpCollector]:
+    with otlp_collector() as peer:
+        yield peer
 
 
 def test_workers_export_a_chains_spans_over_otlp_into_the_callers_trace(
-    platform: Any, spawn: Spawn, collector: Collector, tag: str
+    platform: Any, spawn: Spawn, collector: OtlpCollector, tag: str
 ) -> None:
     service = f"workers-{tag}"
     spawn(
