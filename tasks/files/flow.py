@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
-from sqlalchemy import Connection, and_, case, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, and_, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor.db.dialect import db_now, db_now_plus
+from conveyor.db.engine import reading
 from conveyor.db.schema import RUNNING, jobs
 from tasks.files.chunking import Chunk
 from tasks.files.embedding import pack_ids
@@ -347,7 +348,7 @@ def release_staging(begin: Begin, key: str) -> None:
         conn.execute(delete(staging).where(staging.c.key == key))
 
 
-def sweep_staging(begin: Begin, *, stale_after: float) -> int:
+def sweep_staging(engine: Engine, *, stale_after: float) -> int:
     """Release every dead staging key: nothing will adopt its chunks. A chunk attempt's
     key is dead once the attempt no longer owns its job (it died, or its job ended or was
     taken over): exact, since the job's ``attempts`` only grows, so an attempt that lost
@@ -359,7 +360,7 @@ def sweep_staging(begin: Begin, *, stale_after: float) -> int:
         and_(staging.c.job_id.is_not(None), lost),
         and_(staging.c.job_id.is_(None), staging.c.created_at < db_now_plus(-stale_after)),
     )
-    with begin() as conn:
+    with reading(engine) as conn:  # on SQLite, a reader: the writer only to release
         keys = list(
             conn.execute(
                 select(staging.c.key)
@@ -368,7 +369,7 @@ def sweep_staging(begin: Begin, *, stale_after: float) -> int:
             ).scalars()
         )
     for key in keys:
-        release_staging(begin, key)
+        release_staging(engine.begin, key)
     return len(keys)
 
 

@@ -382,7 +382,7 @@ def reconcile(ctx: JobContext, p: NoArgs) -> dict[str, int]:
     stale = _settings().files.stale_upload_after
     swept = sweep_uploads(older_than=stale)
     unconfirmed = cancel_unconfirmed(older_than=stale)
-    unstaged = flow.sweep_staging(engine.begin, stale_after=stale)
+    unstaged = flow.sweep_staging(engine, stale_after=stale)
     with reading(engine) as conn:
         open_ids = (
             conn.execute(

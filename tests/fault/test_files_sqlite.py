@@ -217,7 +217,7 @@ def test_a_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
         with platform.engine.begin() as conn:
             counted = jobs.c.attempts - jobs.c.uncounted
             conn.execute(update(jobs).where(jobs.c.id == job_id).values(max_attempts=counted))
-    with platform.engine.connect() as conn:
+    with reading(platform.engine) as conn:
         left = conn.execute(select(func.count()).where(chunks.c.file_id == key)).scalar_one()
         status = conn.execute(select(files.c.status).where(files.c.id == file_id)).scalar_one()
     assert left > 0 and status == "chunking"  # killed half way: staged, not adopted
@@ -225,12 +225,10 @@ def test_a_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
     spawn(concurrency=1, settings=platform.settings)  # its relay takes over the lost attempt
     if last:
         eventually(lambda: _status(platform, file_id) == "failed", timeout=120)
-        assert (
-            flow.sweep_staging(platform.engine.begin, stale_after=3600) <= 1
-        )  # (or a reconcile got there first)
+        assert flow.sweep_staging(platform.engine, stale_after=3600) <= 1  # (or a reconcile got there first)
     else:
         eventually(lambda: _status(platform, file_id) == "ready", timeout=120)
-    with platform.engine.connect() as conn:
+    with reading(platform.engine) as conn:
         kept = conn.execute(select(func.count()).select_from(chunks)).scalar_one()
         ordinals = conn.execute(select(func.count(func.distinct(chunks.c.ordinal)))).scalar_one()
         count = conn.execute(select(files.c.chunk_count).where(files.c.id == file_id)).scalar_one()

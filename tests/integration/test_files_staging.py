@@ -152,18 +152,18 @@ def test_the_sweep_drains_what_dead_attempts_staged_and_spares_the_live_one(
     live = _staged(db, file_id, job_id, second, 3)
     purged = _staged(db, file_id, str(uuid.uuid4()), 1, 4)  # its job is gone (retention)
 
-    assert flow.sweep_staging(db.engine.begin, stale_after=3600) >= 2  # (the database may be shared)
+    assert flow.sweep_staging(db.engine, stale_after=3600) >= 2  # (the database may be shared)
     assert (_count(db, taken), _count(db, purged), _count(db, live)) == (0, 0, 3)
     with db.engine.connect() as conn:
         assert conn.execute(select(staging.c.key).where(staging.c.file_id == file_id)).scalars().all() == [
             live
         ]
-    flow.sweep_staging(db.engine.begin, stale_after=3600)
+    flow.sweep_staging(db.engine, stale_after=3600)
     assert _count(db, live) == 3  # the live attempt keeps what it staged
 
     with db.engine.begin() as conn:  # it ends (here: failed) without adopting them
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(status="failed"))
-    assert flow.sweep_staging(db.engine.begin, stale_after=3600) >= 1
+    assert flow.sweep_staging(db.engine, stale_after=3600) >= 1
     assert _count(db, live) == 0
     _fts_whole(db)
 
@@ -175,7 +175,7 @@ def test_adopting_forgets_the_staging_key(db: Any, tag: str) -> None:
     with db.engine.begin() as conn:
         flow.adopt_chunks(conn, key, file_id)
         conn.execute(update(jobs).where(jobs.c.id == job_id).values(status="succeeded"))
-    flow.sweep_staging(db.engine.begin, stale_after=3600)
+    flow.sweep_staging(db.engine, stale_after=3600)
     assert _count(db, file_id) == 3
     with db.engine.connect() as conn:
         assert conn.execute(select(staging.c.key).where(staging.c.key == key)).first() is None
@@ -193,9 +193,9 @@ def test_a_key_no_job_owns_is_swept_once_stale(db: Any, tag: str) -> None:
         retired = flow.retire_chunks(conn, file_id)  # the swap, then killed before the drain
         flow.adopt_chunks(conn, staged, file_id)
     assert (_count(db, file_id), _count(db, retired)) == (2, 4)
-    flow.sweep_staging(db.engine.begin, stale_after=3600)
+    flow.sweep_staging(db.engine, stale_after=3600)
     assert _count(db, retired) == 4  # maybe still in use: left alone
-    flow.sweep_staging(db.engine.begin, stale_after=0)
+    flow.sweep_staging(db.engine, stale_after=0)
     assert (_count(db, file_id), _count(db, retired)) == (2, 0)
     with db.engine.connect() as conn:
         assert conn.execute(select(staging.c.key).where(staging.c.file_id == file_id)).first() is None
