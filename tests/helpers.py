@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
 import time
 import uuid
@@ -11,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from conveyor.db.schema import dead_letters, jobs
+from conveyor.db.schema import TERMINAL, dead_letters, jobs
 from tasks.demo.models import effects
 
 
@@ -31,6 +32,36 @@ def job_row(platform: Any, job_id: str) -> Any:
     """The current row of a job."""
     with platform.engine.connect() as conn:
         return platform.store.get(conn, job_id)
+
+
+def database_now(platform: Any) -> dt.datetime:
+    """The database's clock."""
+    from conveyor.db.dialect import db_now
+
+    with platform.engine.connect() as conn:
+        return conn.execute(select(db_now())).scalar_one()  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def cancelling_leftovers(platform: Any) -> Iterator[None]:
+    """Cancel, on the way out, every job submitted inside that has not ended: a test that
+    fails half way leaves its long jobs behind, and the next module's worker would take
+    them over and run them instead of its own test's jobs."""
+    since = database_now(platform)
+    try:
+        yield
+    finally:
+        with platform.engine.connect() as conn:
+            left = (
+                conn.execute(
+                    select(jobs.c.id).where(jobs.c.created_at >= since, jobs.c.status.not_in(TERMINAL))
+                )
+                .scalars()
+                .all()
+            )
+        for job_id in left:
+            with contextlib.suppress(LookupError):  # purged meanwhile
+                platform.cancel(job_id, by="tests", reason="its test ended")
 
 
 def effect_count(platform: Any, *, job_id: str | None = None, note: str | None = None) -> int:

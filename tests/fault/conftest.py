@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 
 from conveyor.procs import start_worker, stop
+from tests.helpers import cancelling_leftovers
 
 Spawn = Callable[..., subprocess.Popen[bytes]]
 
 
 @pytest.fixture
 def spawn(platform: Any, tmp_path: Path) -> Iterator[Spawn]:
-    """Start worker subprocesses (all queues, prefork); every one is stopped afterwards."""
+    """Start worker subprocesses (all queues, prefork); every one is stopped afterwards,
+    and the jobs the test left unfinished are cancelled."""
     procs: list[subprocess.Popen[bytes]] = []
 
     def _spawn(
@@ -38,13 +40,14 @@ def spawn(platform: Any, tmp_path: Path) -> Iterator[Spawn]:
         wait_ready(log, proc)
         return proc
 
-    yield _spawn
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        stop(proc, timeout=5)
+    with cancelling_leftovers(platform):
+        yield _spawn
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            stop(proc, timeout=5)
 
 
 def wait_ready(log: Path, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:

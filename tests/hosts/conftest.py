@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.fault.conftest import spawn
+from tests.helpers import cancelling_leftovers
 from tests.hosts.host import Hosts
 
 __all__ = ["hosts", "spawn"]
@@ -16,7 +17,11 @@ __all__ = ["hosts", "spawn"]
 
 @pytest.fixture
 def hosts(platform: Any, tmp_path: Path) -> Iterator[Hosts]:
-    """Start hosts (``hosts.start(hostname, …)``); every one is killed afterwards."""
+    """Start hosts (``hosts.start(hostname, …)``); every one is killed afterwards,
+    and the jobs the test left unfinished are cancelled."""
     started = Hosts(platform, tmp_path)
-    yield started
-    started.close()
+    with cancelling_leftovers(platform):
+        try:
+            yield started
+        finally:
+            started.close()

@@ -44,6 +44,7 @@ TIMERS = {
     "CONVEYOR_DEFAULT_SOFT_TIME_LIMIT": "290",
 }
 
+
 def faketime_library() -> str:
     """The ``libfaketime`` shared object the ``libfaketime`` wheel ships (a test extra)."""
     spec = importlib.util.find_spec("libfaketime")

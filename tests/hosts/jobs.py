@@ -75,14 +75,6 @@ def takeovers(platform: Any, job_id: str) -> list[dt.datetime]:
     return [r[0] for r in rows]
 
 
-def database_now(platform: Any) -> dt.datetime:
-    """The database's clock."""
-    from conveyor.db.dialect import db_now
-
-    with platform.engine.connect() as conn:
-        return conn.execute(select(db_now())).scalar_one()  # type: ignore[no-any-return]
-
-
 def story(platform: Any, job_ids: Sequence[str]) -> str:
     """The jobs' owners and events, for an assertion message."""
     lines = []

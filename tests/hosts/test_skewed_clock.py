@@ -5,11 +5,13 @@ over early, by their relays or anyone's, and no dedup window ends early."""
 from __future__ import annotations
 
 import datetime as dt
-import json
+import re
+import threading
 import time
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import select
 
 from conveyor.db import schema as s
@@ -37,10 +39,34 @@ def _redis_time(platform: Any) -> float:
     return float(sec) + usec / 1e6
 
 
-def _relay_clock(platform: Any) -> float | None:
-    """How far off the clock of the relay that passed last reads (its pass note's time)."""
-    raw = platform.redis.get(f"{platform.settings.key_prefix}relay:pass")
-    return None if raw is None else float(json.loads(raw)["at"]) - _redis_time(platform)
+class RelayClocks:
+    """How far off, in skews (-1, 0, 1), the clock of each relay that passes while it
+    watches reads: every relay writes its pass note (its clock's time) to one key, read
+    here through Redis's MONITOR. A poll of the key sees only its last writer, and relays
+    that pass in step hide each other's notes from it."""
+
+    def __init__(self, platform: Any) -> None:
+        self.key = f"{platform.settings.key_prefix}relay:pass"
+        self.seen: set[int] = set()
+        self._monitor = redis.Redis.from_url(platform.settings.redis_url).monitor().__enter__()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                command = self._monitor.next_command()
+                if command["command"].startswith(f"SET {self.key} "):
+                    at = re.search(r'"at": ([0-9.e+-]+)', command["command"])
+                    if at is not None:
+                        self.seen.add(round((float(at[1]) - command["time"]) / SKEW))
+        except (redis.ConnectionError, OSError, ValueError):  # closed by close()
+            return
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._monitor.connection.disconnect()
+        self._thread.join(timeout=5)
 
 
 def test_skewed_hosts_take_over_no_live_lease_and_only_stale_ones_after_the_lease(
@@ -65,16 +91,16 @@ def test_skewed_hosts_take_over_no_live_lease_and_only_stale_ones_after_the_leas
     assert [len(jobs) for jobs in on.values()] == [2, 2, 2], story(platform, every)
 
     # Three leases long, every host's relay reconciles in turn: nothing is taken over.
-    relays: set[int] = set()
-    watch = time.monotonic() + 3 * LEASE
-    while time.monotonic() < watch:
-        rows = [job_row(platform, j) for j in every]
-        assert [(r["status"], r["attempts"]) for r in rows] == [(s.RUNNING, 1)] * 6, story(platform, every)
-        offset = _relay_clock(platform)
-        if offset is not None:
-            relays.add(round(offset / SKEW))
-        time.sleep(0.1)
-    assert relays == {-1, 0, 1}, relays  # the skewed relays did pass
+    relays = RelayClocks(platform)
+    try:
+        watch = time.monotonic() + 3 * LEASE
+        while time.monotonic() < watch:
+            rows = [(job_row(platform, j)["status"], job_row(platform, j)["attempts"]) for j in every]
+            assert rows == [(s.RUNNING, 1)] * 6, story(platform, every)
+            time.sleep(0.1)
+    finally:
+        relays.close()
+    assert relays.seen == {-1, 0, 1}, relays.seen  # the skewed relays did pass
 
     # The normal host dies: the skewed relays take its jobs over after the lease, no sooner.
     started_hosts["normal"].kill()
