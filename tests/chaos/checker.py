@@ -22,6 +22,8 @@ Definitions (all times are Postgres ``clock_timestamp()``):
 * ``recovery_p95_s``: for every attempt running on a killed process, kill time (taken right
   before the signal) to the job's next claim; nearest-rank p95. An attempt never claimed
   again counts as infinite unless its job was dead-lettered (then: time to the burial).
+  A victim requeued, then waiting in the queue across a later fault, counts its detection
+  plus its wait from the end of that fault (the later fault's outage is its own sample's).
   ``recovery_p95_s_lease`` is the same figure, printed by a run whose workers do not detect
   dead owners on their own host (every takeover went through the lease).
 
@@ -392,6 +394,9 @@ def check(
     res.jobs = len(rows)
     res.effects = len(effect_rows)
 
+    # (began, over): a kill is over at once; an outage when its service is back.
+    faults = [(k.at, k.at) for k in kills] + [(o.at, o.until or o.at) for o in outages]
+
     # Kills: which attempts they cut short, and how long until each job was claimed again.
     hits: dict[str, int] = defaultdict(int)
     for kill in kills:
@@ -399,8 +404,9 @@ def check(
             hits[job_id] += 1
             later = [r for r in log.get(job_id, []) if r.is_claim and r.attempts > attempt]
             if later:
-                res.recovery.append(max(0.0, _secs(kill.at, later[0].started_at or later[0].at)))
+                claimed = later[0].started_at or later[0].at
                 freed = next((r for r in log.get(job_id, []) if _ends(r, attempt)), None)
+                res.recovery.append(_recovery(kill.at, freed, claimed, faults))
                 if freed is not None:
                     res.detect.append(max(0.0, _secs(kill.at, freed.at)))
                 how = (
@@ -408,6 +414,8 @@ def check(
                     if freed is None or freed.is_claim
                     else f"{freed.status} at +{_secs(kill.at, freed.at):.2f}s"
                 )
+                if res.recovery[-1] < _secs(kill.at, claimed):
+                    how += f", a fault during its queue wait (claimed at +{_secs(kill.at, claimed):.2f}s)"
                 res.recovery_notes.append(
                     f"{res.recovery[-1]:.2f}s {kill.kind} {job_id}#{attempt}: {how}, "
                     f"claimed by {later[0].owner}"
@@ -559,8 +567,6 @@ def check(
 
     # A message a killed worker had taken (or a wiped Redis held) must still run soon:
     # no job waits claimable across a fault for longer than the bound after it.
-    # (began, over): a kill is over at once; an outage when its service is back.
-    faults = [(k.at, k.at) for k in kills] + [(o.at, o.until or o.at) for o in outages]
     for job in expected:
         row = rows.get(job.id)
         if row is None:
@@ -642,6 +648,26 @@ def _change(r: LogRow) -> str:
 
 def _job_of(expected: Sequence[ExpectedJob], job_id: str) -> ExpectedJob:
     return next(j for j in expected if j.id == job_id)
+
+
+def _recovery(
+    killed: dt.datetime,
+    freed: LogRow | None,
+    claimed: dt.datetime,
+    faults: Sequence[tuple[dt.datetime, dt.datetime]],
+) -> float:
+    """Seconds from a kill to the next claim of its victim. A victim freed to the queue
+    that waits there across a later fault (another worker killed, Redis wiped) counts its
+    detection, then its wait from the end of the last such fault only: the wait the later
+    fault caused is that fault's recovery, not this one's."""
+    whole = max(0.0, _secs(killed, claimed))
+    if freed is None or freed.is_claim:
+        return whole
+    crossed = [over for began, over in faults if began <= claimed and over >= freed.at]
+    if not crossed:
+        return whole
+    detect = max(0.0, _secs(killed, freed.at))
+    return detect + max(0.0, _secs(max(freed.at, *crossed), claimed))
 
 
 def _ends(r: LogRow, attempt: int) -> bool:

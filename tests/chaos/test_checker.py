@@ -109,3 +109,39 @@ def test_p95_is_nearest_rank() -> None:
     assert p95([float(i) for i in range(1, 21)]) == 19.0
     assert p95([1.0] * 19 + [99.0]) == 1.0
     assert p95([1.0] * 18 + [99.0, 99.0]) == 99.0
+
+
+def test_a_queue_wait_across_a_later_fault_counts_from_that_fault(platform: Any, tag: str) -> None:
+    """A victim requeued 8 s after its kill, then waiting while another worker is killed
+    4 s later and claimed 7 s after that: its recovery is 8 + 7 s, not the 19 s from its
+    kill (the second kill's lost capacity is that kill's recovery). Without a later fault
+    the whole wait counts."""
+    log = ClaimLog(platform.engine, f"{tag}_wait")
+    log.install()
+    try:
+        expected: list[ExpectedJob] = []
+        now = db_now(platform.engine)
+        ids = []
+        for name in ("crossed", "alone"):
+            note = f"{tag}-{name}"
+            job_id = _job(platform, note)
+            expected.append(ExpectedJob(job_id, note, "single"))
+            _claim(platform, job_id, now - dt.timedelta(seconds=9), owner="here:7")
+            ids.append(job_id)
+        freed = db_now(platform.engine)
+        for job_id in ids:
+            _set(platform, job_id, "queued")  # requeued, at about ``freed``
+        killed = freed - dt.timedelta(seconds=8)
+        first = Kill("group", killed, killed, frozenset({7}), {(ids[0], 1), (ids[1], 1)})
+        second_at = freed + dt.timedelta(seconds=4)
+        second = Kill("group", second_at, second_at, frozenset({8}))
+        _claim(platform, ids[0], freed + dt.timedelta(seconds=11))
+        _claim(platform, ids[1], freed + dt.timedelta(seconds=3))
+        for job_id, name in zip(ids, ("crossed", "alone"), strict=True):
+            _set(platform, job_id, "succeeded", effect=1, note=f"{tag}-{name}")
+        res = check(
+            platform.engine, expected=expected, note_prefix=f"{tag}-", claim_log=log, kills=[first, second]
+        )
+    finally:
+        log.uninstall()
+    assert sorted(round(x) for x in res.recovery) == [11, 15], res.recovery_notes
