@@ -19,7 +19,6 @@ import pytest
 from sqlalchemy import select
 
 from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
 from conveyor.db.schema import job_events
 from conveyor.procs import service_env
 from conveyor.settings import ConveyorSettings
@@ -27,18 +26,13 @@ from conveyor.store import counted_attempts
 from tests.fault.conftest import Spawn, children, kill_group
 from tests.fault.servers import PrivateRedis, private_redis
 from tests.fault.test_shutdown import open_barrier, started
-from tests.helpers import effect_count, eventually, job_row
+from tests.helpers import database_now, effect_count, eventually, job_row
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.fault]
 
 TIMERS = ("lease_timeout", "heartbeat_interval", "reconciler_interval", "relay_interval", "republish_after")
 # The settings' own defaults, whatever they are (the suite's environment sets fast ones).
 DEFAULT_TIMERS = {f"CONVEYOR_{n.upper()}": str(ConveyorSettings.model_fields[n].default) for n in TIMERS}
-
-
-def _db_now(platform: Any) -> Any:
-    with platform.engine.connect() as conn:
-        return conn.execute(select(db_now())).scalar_one()
 
 
 def _state(pid: int) -> str:
@@ -99,7 +93,7 @@ def test_message_taken_by_a_worker_killed_before_its_claim_runs_within_30s(
     row = handle.row()
     premise = (children(first.pid), _state(child), row["status"], row["attempts"])
     assert premise == ([child], "T", s.QUEUED, 0), _story(platform, handle.id, tmp_path, f"{premise}: ")
-    killed_at = _db_now(platform)
+    killed_at = database_now(platform)
     kill_group(first)
     spawn(env=DEFAULT_TIMERS)
     status = handle.wait(60)
@@ -118,7 +112,7 @@ def test_dead_workers_running_job_is_taken_over_by_the_lease_path_within_15s(
     handle = platform.submit("conveyor.demo.effect", {"note": tag, "barrier": tag})
     started(platform, tag)
     spawn(env=env)  # a live worker, whose relay keeps running
-    killed_at = _db_now(platform)
+    killed_at = database_now(platform)
     kill_group(doomed)
     open_barrier(platform, tag)
     assert handle.wait(60) == s.SUCCEEDED

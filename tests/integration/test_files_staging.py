@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
-from conveyor.db.schema import jobs
+from conveyor.db.schema import SUCCEEDED, jobs
 from conveyor.runfile import owner_id
 from conveyor.store import ClaimOutcome, NewJob
 from pipelines.files import search
 from tasks.files import flow
 from tasks.files.chunking import Chunk
-from tasks.files.models import CHUNKING, READY, chunks, files, staging
+from tasks.files.models import CHUNKING, READY, batches, chunks, files, staging
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -209,9 +209,6 @@ def test_the_files_reconciler_completes_and_sweeps_in_one_pass_on_sqlite(
     lost chord counter) and a dead staging key to sweep: its own transaction holds the one
     writer once it completes a batch, so its sweeps, in transactions of their own, must
     not come after that (they waited for the writer forever)."""
-    from conveyor.db import schema as s
-    from tasks.files.models import batches
-
     db = on_sqlite
     now = datetime.now(UTC)
     batch_id = str(uuid.uuid4())
@@ -225,7 +222,7 @@ def test_the_files_reconciler_completes_and_sweeps_in_one_pass_on_sqlite(
     file_id = _file(db, tag, CHUNKING)
     dead = _staged(db, file_id, str(uuid.uuid4()), 1, 3)  # its job is gone
     job = db.submit("conveyor.files.reconcile", {})
-    assert job.wait(30) == s.SUCCEEDED
+    assert job.wait(30) == SUCCEEDED
     with db.engine.connect() as conn:
         assert (
             conn.execute(select(batches.c.status).where(batches.c.id == batch_id)).scalar_one() == "completed"
