@@ -1,1 +1,16 @@
-"""How this deployment is wired: settings, queues and routes, the one Celery app."""
+"""How this deployment is wired: settings, queues and routes, the one Celery app.
+
+What ``conveyor`` reads before any app exists is declared here, cheap to import:
+``CLI_EXTENSIONS``, the command groups this deployment adds (``conveyor files …``), so
+``conveyor --help`` lists them without building the Celery app of ``config.celery_app``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+# A family whose extra is not installed is left out, and says so (the demo still runs).
+FILES_EXTRA = ("numpy", "pypdf", "docx", "lxml", "markdown_it", "charset_normalizer", "puremagic")
+HAS_FILES = all(importlib.util.find_spec(m) is not None for m in FILES_EXTRA)
+
+CLI_EXTENSIONS = {"files": "tasks.files.cli:app"} if HAS_FILES else {}

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 from celery import Celery
 
+from config import HAS_FILES
 from config.beat import BEAT_SCHEDULE
 from config.queues import DEFAULT_QUEUE, QUEUES
 from config.settings import get_settings
@@ -15,15 +15,13 @@ from conveyor.platform import Platform
 from conveyor.services import attach
 from conveyor.worker import install
 
-# A family whose extra is not installed is left out, and says so (the demo still runs).
-FILES_EXTRA = ("numpy", "pypdf", "docx", "lxml", "markdown_it", "charset_normalizer", "puremagic")
-HAS_FILES = all(importlib.util.find_spec(m) is not None for m in FILES_EXTRA)
+# A family whose extra is not installed is left out (config/__init__.py), and says so.
 if not HAS_FILES:
     logging.getLogger("conveyor").warning("the files family is off: install conveyor[files] to run it")
 
 TASK_MODULES = ["tasks.demo", *(["tasks.files.stages"] if HAS_FILES else [])]
-CLI_EXTENSIONS = {"files": "tasks.files.cli:app"} if HAS_FILES else {}
-# Routers `conveyor serve` adds to the HTTP API (conveyor.web.server).
+# Routers `conveyor serve` adds to the HTTP API (conveyor.web.server); the command groups
+# `conveyor` adds, CLI_EXTENSIONS, are in config/__init__.py (read without this module).
 HTTP_EXTENSIONS = {"files": "tasks.files.http:router"} if HAS_FILES else {}
 MIGRATIONS = "config.migrations:upgrade"
 

@@ -8,6 +8,7 @@ by stage name, with no stage code; a deployment declares stages with
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from conveyor.errors import (
@@ -27,17 +28,46 @@ from conveyor.errors import (
 from conveyor.retry import Backoff, Schedule
 
 if TYPE_CHECKING:
-    from conveyor.client import Client, connect
+    from conveyor.client import Client
     from conveyor.client_async import AsyncClient
+    from conveyor.settings import ConveyorSettings
     from conveyor.shared import current_platform
 
 # Imported on first use: ``import conveyor.errors`` (every module does) stays light.
 _LAZY = {
     "Client": "conveyor.client",
-    "connect": "conveyor.client",
     "AsyncClient": "conveyor.client_async",
     "current_platform": "conveyor.shared",
 }
+
+
+def connect(
+    settings: ConveyorSettings | None = None,
+    *,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    broker_url: str | None = None,
+) -> Client:
+    """A :class:`Client` for the deployment named by ``settings``; without them, in a Django
+    project that configures Conveyor, by ``settings.CONVEYOR`` and ``DATABASES`` (as
+    :mod:`conveyor.contrib.django`), else by the environment (``CONVEYOR_DATABASE_URL``, ...).
+    The URLs given replace the settings'; ``broker_url``: the workers' RabbitMQ, if any."""
+    from conveyor.client import Client
+
+    base = settings if settings is not None else _site_settings()
+    return Client(base, database_url=database_url, redis_url=redis_url, broker_url=broker_url)
+
+
+def _site_settings() -> ConveyorSettings | None:
+    """The Django project's settings for Conveyor, when this process runs one; else None."""
+    # A Django site has imported Django before it calls Conveyor (manage.py, wsgi.py, and
+    # Celery's Django fix-up when DJANGO_SETTINGS_MODULE is set): any other process is
+    # spared importing it.
+    if "django" not in sys.modules:
+        return None
+    from conveyor.contrib.django.conf import site_settings
+
+    return site_settings()
 
 
 def __getattr__(name: str) -> Any:

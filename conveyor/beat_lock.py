@@ -128,8 +128,12 @@ class BeatLock:
                     log.info("another beat holds the beat lock; standing by")
                     said = True
             except Exception as exc:  # the database away: keep waiting, it decides
+                from conveyor.startup import database_at
+
                 self._drop()
-                log.warning("could not reach the database for the beat lock (%s); retrying", exc)
+                detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                where = database_at(self.settings.database_url)
+                log.warning("waiting for %s (the beat lock): %s; retrying in %g s", where, detail, self.retry)
             self._stop.wait(self.retry)
 
     def holds(self) -> bool:

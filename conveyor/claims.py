@@ -23,6 +23,7 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, pg_statements
 from conveyor.db.schema import Row, job_events, jobs, new_event
 from conveyor.liveness import takeovers_allowed
+from conveyor.retry import requeue_delay
 from conveyor.runfile import local_pid, pid_alive
 
 
@@ -60,6 +61,9 @@ class Claims:
     lease_timeout: float
     max_requeues: int
     detect_local_dead_owners: bool
+    # An outage's uncounted requeue waits requeue_delay(requeues) (settings infra_backoff/_cap).
+    requeue_backoff: float
+    requeue_backoff_cap: float
 
     # -- the row primitives both halves of the store use ---------------------------------
 
@@ -173,21 +177,16 @@ class Claims:
 
     def _retake_own(self, conn: Connection, current: RowMapping, *, owner: str, task_id: str) -> Claim:
         """This very process held the lease and is idle: its attempt was cut short by an
-        infrastructure error (the message came back). The fencing token still grows; the
-        attempt does not count, but the requeue does (up to ``max_requeues``)."""
-        if int(current["requeues"]) >= self.max_requeues:
+        infrastructure error, and the message came back before the release the outage
+        deferred. Release it now as that would have: uncounted, bounded by
+        ``max_requeues``, due after the requeue back-off (the relay publishes it then), so
+        no path reruns an outage's attempt sooner."""
+        job_id = current["id"]
+        outcome = self.release_uncounted(conn, job_id, int(current["attempts"]), owner, "infrastructure")
+        if outcome == "exhausted":
             return Claim(ClaimOutcome.REQUEUES_EXHAUSTED, current)
-        cond = and_(
-            jobs.c.status == s.RUNNING,
-            jobs.c.attempts == current["attempts"],
-            jobs.c.lease_owner == owner,
-        )
-        row = self._take(conn, current["id"], cond, owner=owner, task_id=task_id, uncounted=True)
-        if row is None:
-            return Claim(ClaimOutcome.LIVE_LEASE, self.get(conn, current["id"]))
-        body = {"reason": "infrastructure", "attempt": row["attempts"]}
-        self.emit(conn, [new_event(row["id"], "job.requeued", body)])
-        return Claim(ClaimOutcome.RUN, row)
+        done = ClaimOutcome.NOT_DUE if outcome == "released" else ClaimOutcome.LIVE_LEASE
+        return Claim(done, self.get(conn, job_id))
 
     def release_uncounted(
         self,
@@ -202,8 +201,9 @@ class Claims:
     ) -> str:
         """CAS ``running → queued`` for an attempt that must not count: stopped by an
         outage or a shutdown (``requeue``: bounded by ``max_requeues``) or preempted. The
-        relay republishes it. ``attempt`` None matches the owner's current attempt (the
-        worker's main process does not know it).
+        relay republishes it: at once, or for an outage (``reason`` "infrastructure") after
+        :func:`~conveyor.retry.requeue_delay` of the job's requeues so far. ``attempt`` None
+        matches the owner's current attempt (the worker's main process does not know it).
 
         Returns ``"released"``, ``"exhausted"`` (the requeue bound is reached: the caller
         dead-letters the job) or ``"refused"`` (the attempt no longer owns the job).
@@ -219,6 +219,11 @@ class Claims:
         values: dict[str, Any] = {"uncounted": jobs.c.uncounted + 1}
         if requeue:
             values["requeues"] = jobs.c.requeues + 1
+        delay = 0.0
+        if requeue and reason == "infrastructure":
+            delay = requeue_delay(
+                int(current.requeues), base=self.requeue_backoff, cap=self.requeue_backoff_cap
+            )
         res = conn.execute(
             update(jobs)
             .where(*cond, jobs.c.attempts == current.attempts)
@@ -226,7 +231,7 @@ class Claims:
                 status=s.QUEUED,
                 published_at=None,
                 lease_owner=None,
-                run_at=db_now(),
+                run_at=db_now_plus(delay) if delay > 0 else db_now(),
                 updated_at=db_now(),
                 preempt_requested_at=None,
                 interrupt_sent_at=None,
@@ -235,15 +240,16 @@ class Claims:
         )
         if res.rowcount != 1:
             return "refused"
-        body = {"reason": reason, "attempt": int(current.attempts)}
+        body: dict[str, Any] = {"reason": reason, "attempt": int(current.attempts)}
+        if requeue and reason == "infrastructure":
+            body["delay"] = delay
         self.emit(conn, [new_event(job_id, topic, body)])
         return "released"
 
     def _take(
-        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str, uncounted: bool = False
+        self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str
     ) -> RowMapping | None:
         """The claim CAS. A new attempt starts with no stop request of the last one."""
-        extra = {"uncounted": jobs.c.uncounted + 1, "requeues": jobs.c.requeues + 1} if uncounted else {}
         stmt = (
             update(jobs)
             .where(jobs.c.id == job_id, cond)
@@ -257,7 +263,6 @@ class Claims:
                 celery_task_id=task_id,
                 preempt_requested_at=None,
                 interrupt_sent_at=None,
-                **extra,
             )
             .returning(*jobs.c)
         )

@@ -19,19 +19,18 @@ from conveyor import (
     cli_web,  # noqa: F401  (registers serve, openapi, tokens and stages)
 )
 from conveyor.cli_common import (
+    attached_engine,
     cli,
     db_cli,
     dlq_cli,
-    import_path,
     jobs_cli,
     load_platform,
     migrate,
     run_command,
 )
 from conveyor.cli_output import console, err, json_option, wait_option
-from conveyor.db.engine import reading
-from conveyor.deployment import load_app_module
 from conveyor.errors import RetryRefused
+from conveyor.logs import configure_logging_on_first_record
 from conveyor.settings import ConveyorSettings
 
 __all__ = ["cli", "console", "err", "json_option", "load_platform", "main", "run_command", "wait_option"]
@@ -65,16 +64,21 @@ def jobs_list(
     def main() -> int:
         from sqlalchemy import select
 
+        from conveyor.db.engine import reading
         from conveyor.db.schema import jobs
 
-        platform = load_platform()
+        # Rows alone: no platform, so neither the deployment nor Celery is imported.
+        engine = attached_engine()
         q = select(jobs).order_by(jobs.c.created_at.desc()).limit(limit)
         if status:
             q = q.where(jobs.c.status == status)
         if stage:
             q = q.where(jobs.c.stage == stage)
-        with reading(platform.engine) as conn:
-            rows = list(conn.execute(q).mappings())
+        try:
+            with reading(engine) as conn:
+                rows = list(conn.execute(q).mappings())
+        finally:
+            engine.dispose()
         if as_json:
             out.print_json(out.records(rows))
             return 0
@@ -225,32 +229,19 @@ def dlq_purge(
     run_command(main, wait=wait)
 
 
-def _load_extensions() -> None:
-    """Sub-commands a deployment adds (``CLI_EXTENSIONS`` in its app module)."""
-    try:
-        module = load_app_module()
-    except Exception:  # the platform commands must work even if the deployment is broken
-        return
-    for name, path in getattr(module, "CLI_EXTENSIONS", {}).items():
-        cli.add_typer(import_path(path), name=name)
-
-
 def _configure_logs() -> None:
     """Structured logs on stderr for the command itself (a worker or beat sets them up again
-    when Celery starts, with its ``-l``)."""
-    from conveyor.logs import configure_logging
-
+    when Celery starts, with its ``-l``), set up when it first logs."""
     try:
         settings = ConveyorSettings()
     except ValueError:  # invalid settings: the command itself reports them
         return
-    configure_logging(settings)
+    configure_logging_on_first_record(settings)
 
 
 def main() -> None:
     """Console entry point."""
     _configure_logs()
-    _load_extensions()
     cli()
 
 

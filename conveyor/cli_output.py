@@ -20,25 +20,26 @@ import datetime as dt
 import decimal
 import json
 import math
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import sqlalchemy.exc
 import typer
 from rich.console import Console
-from rich.table import Table
 from rich.text import Text
-from sqlalchemy import Engine, event, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError
 
-from conveyor.db.dialect import READ_ONLY
 from conveyor.errors import ConveyorError, DatabaseBusy, is_connection_loss
 from conveyor.logs import redact_text
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+
+# SQLAlchemy and rich's tables are imported where they are used: every command imports
+# this module, ``conveyor --help`` too.
 
 T = TypeVar("T")
 
@@ -132,6 +133,8 @@ def print_table(
     pipe a header and one tab-separated line per row, every cell whole (whitespace inside
     a cell becomes one space), the title on stderr."""
     if console.is_terminal:
+        from rich.table import Table
+
         table = Table(*columns, title=title)
         for row in rows:
             cells = [_cell(v) for v in row]
@@ -200,6 +203,10 @@ def database_problem(exc: BaseException) -> tuple[str, str] | None:
     """``(what, detail)`` when ``exc`` means the database is locked or unreachable."""
     if isinstance(exc, DatabaseBusy):
         return LOCKED, ""
+    if "sqlalchemy" not in sys.modules:  # then no SQLAlchemy error can exist
+        return None
+    import sqlalchemy.exc
+
     if isinstance(exc, sqlalchemy.exc.DBAPIError):
         detail = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else ""
         lowered = detail.lower()
@@ -215,6 +222,9 @@ def database_problem(exc: BaseException) -> tuple[str, str] | None:
 
 def shown_url(url: str | None) -> str:
     """``url`` without its password (or any other secret)."""
+    import sqlalchemy.exc
+    from sqlalchemy.engine import make_url
+
     if not url:
         return "no database configured"
     with contextlib.suppress(sqlalchemy.exc.ArgumentError):
@@ -246,6 +256,10 @@ class Waiter:
         """Use this waiter's timeouts on ``engine``'s new connections (in this thread); for
         a read-only command, make the engine's transactions read-only (on SQLite they never
         take the writer) until :meth:`detach`: the CLI's process runs nothing else."""
+        from sqlalchemy import event
+
+        from conveyor.db.dialect import READ_ONLY
+
         self.url = url
         if not event.contains(engine, "do_connect", _on_do_connect):
             event.listen(engine, "do_connect", _on_do_connect)
@@ -256,6 +270,8 @@ class Waiter:
 
     def detach(self) -> None:
         """Undo :meth:`attach` (the engine may outlive the command: tests run it in-process)."""
+        from conveyor.db.dialect import READ_ONLY
+
         for engine in self._engines:
             if self.read_only:
                 engine.update_execution_options(**{READ_ONLY: False})
@@ -287,6 +303,8 @@ class Waiter:
     def until_writable(self, engine: Engine) -> None:
         """Wait until a write transaction can begin (without writing), then let each
         statement wait for the rest of the budget: for a command that must not repeat."""
+        from sqlalchemy import text
+
         started = time.monotonic()
 
         def probe() -> None:
@@ -385,7 +403,7 @@ def run_waiting(fn: Callable[[], int | None], *, wait: float | None, repeat: boo
     except ConveyorError as exc:
         err.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True, highlight=False)
         return 2
-    except DBAPIError as exc:
+    except Exception as exc:
         if not _missing_table(exc):
             raise
         message = "the database has no Conveyor tables (or not all of them): run `conveyor db upgrade`"
@@ -396,9 +414,15 @@ def run_waiting(fn: Callable[[], int | None], *, wait: float | None, repeat: boo
         waiter.detach()
 
 
-def _missing_table(exc: DBAPIError) -> bool:
-    """Postgres' undefined_table or undefined_function (a migration's function), or
-    SQLite's "no such table"."""
+def _missing_table(exc: Exception) -> bool:
+    """A DBAPI error that is Postgres' undefined_table or undefined_function (a migration's
+    function), or SQLite's "no such table"."""
+    if "sqlalchemy" not in sys.modules:  # then no SQLAlchemy error can exist
+        return False
+    from sqlalchemy.exc import DBAPIError
+
+    if not isinstance(exc, DBAPIError):
+        return False
     return getattr(exc.orig, "sqlstate", None) in ("42P01", "42883") or "no such table" in str(exc.orig)
 
 

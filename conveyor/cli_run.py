@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import click
 import typer
 
 from conveyor.cli_common import cli, import_path, load_platform, migrate, run_command
-from conveyor.cli_output import console, err
+from conveyor.cli_output import console, err, shown_url
 from conveyor.errors import ConfigurationError
 from conveyor.procs import terminate_with_parent
 from conveyor.settings import ConveyorSettings
@@ -143,6 +144,16 @@ def _up_children(
     return children
 
 
+def _wait_for_database(platform: Any) -> None:
+    """Before migrating: a database that does not answer yet (an outage, a server still
+    starting) is waited for, with a status line, never given up on."""
+    from conveyor.cli_output import status
+    from conveyor.startup import database_answers, database_at, wait_for
+
+    engine = platform.engine
+    wait_for(database_at(platform.settings.database_url), lambda: database_answers(engine), say=status)
+
+
 def _stop_leftovers(home: Path) -> None:
     """A previous ``up`` of this home that was killed left its embedded Redis running (its
     other children got SIGTERM when it died): stop it before starting anew."""
@@ -235,6 +246,7 @@ def up(
             platform.bind(
                 redis_url=services.redis_url, database_url=services.database_url, broker_url=base.broker_url
             )
+            _wait_for_database(platform)
             migrate(platform)
             logs = home / "logs"
             logs.mkdir(exist_ok=True)
@@ -244,7 +256,8 @@ def up(
             for child in children:
                 child.start()
             console.print(
-                f"[green]conveyor up[/green]: redis {services.redis_url} · db {services.database_url}"
+                f"[green]conveyor up[/green]: redis {shown_url(services.redis_url)} · "
+                f"db {shown_url(services.database_url)}"
             )
             if api is not None:
                 url = f"http://{api[0]}:{api[1]}"
@@ -302,8 +315,7 @@ def worker(
             # RabbitMQ two workers of one name fight over its exclusive control queue forever.
             # A pid alone repeats across pid namespaces (every container's worker is pid 1).
             argv += ["-n", f"worker-{os.getpid()}-{secrets.token_hex(3)}@%h"]
-        # Celery's worker_main drops the worker's exit code (1 after an unrecoverable error).
-        return int(platform.app.start(argv=argv) or 0)
+        return run_celery(platform.app, argv)
 
     run_command(main)
 
@@ -322,12 +334,27 @@ def beat(ctx: typer.Context) -> None:
         lock.acquire()
         lock.watch()
         try:
-            platform.app.start(["beat", "-l", "INFO", *ctx.args])
+            return run_celery(platform.app, ["beat", "-l", "INFO", *ctx.args])
         finally:
             lock.release()
-        return 0
 
     run_command(main)
+
+
+def run_celery(app: Any, argv: list[str]) -> int:
+    """Run ``celery <argv>`` for ``app`` and return its exit code (``Celery.start`` drops
+    it, so a worker that stopped on an unrecoverable error would exit 0 and a supervisor
+    restarting on failure only would not restart it)."""
+    from celery.bin.celery import celery
+
+    celery.params[0].default = app
+    try:
+        code = celery.main(args=argv, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    finally:
+        celery.params[0].default = None
+    return code if isinstance(code, int) else 0
 
 
 def _flower_process(
@@ -416,6 +443,7 @@ def demo(
             platform.bind(
                 redis_url=services.redis_url, database_url=services.database_url, broker_url=base.broker_url
             )
+            _wait_for_database(platform)
             migrate(platform)
             if not attached or (base.redis_url and base.database_url):
                 logs = platform.settings.resolved_home() / "logs"

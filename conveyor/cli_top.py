@@ -8,18 +8,19 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Group
-from rich.live import Live
-from rich.table import Table
 
 from conveyor import cli_output as out
 from conveyor.cli_common import cli, run_command
 from conveyor.cli_output import console, json_option
-from conveyor.gauges import LIVE, State, read_state
 from conveyor.settings import ConveyorSettings
+
+if TYPE_CHECKING:
+    from rich.console import Group
+
+    from conveyor.gauges import State
 
 PARKED = ("waiting_lease", "waiting_dedup", "throttled")
 
@@ -37,6 +38,9 @@ def _queues(client: Any) -> list[str]:
 
 def render(state: State, *, now: dt.datetime | None = None) -> Group:
     """Three tables: queues, throughput and health, running jobs."""
+    from rich.console import Group
+    from rich.table import Table
+
     queues = Table(title="queues", title_justify="left", expand=False)
     for name in ("queue", "waiting (broker)", "queued", "running", "retrying", "parked"):
         queues.add_column(name, justify="left" if name == "queue" else "right")
@@ -82,6 +86,8 @@ def render(state: State, *, now: dt.datetime | None = None) -> Group:
 
 
 def _record(state: State) -> dict[str, Any]:
+    from conveyor.gauges import LIVE
+
     return {
         "queues": {
             q: {"waiting": state.queue_lengths.get(q), **{st: state.live.get((q, st), 0) for st in LIVE}}
@@ -108,7 +114,10 @@ def top(
     """Queues, running jobs and throughput, refreshed in place (Ctrl-C to quit)."""
 
     def main() -> int:
+        from rich.live import Live
+
         from conveyor.client import Client
+        from conveyor.gauges import read_state
         from conveyor.services import attach_or_fail
 
         settings = ConveyorSettings()

@@ -12,48 +12,22 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from sqlalchemy import Engine
 
 from conveyor import cli_output as out
-from conveyor import tokens
-from conveyor.cli_common import cli, run_command
+from conveyor.cli_common import attached_engine, attached_settings, cli, run_command
 from conveyor.cli_output import console, err, json_option, wait_option
 from conveyor.errors import ConfigurationError
-from conveyor.settings import ConveyorSettings
+
+if TYPE_CHECKING:
+    from conveyor.tokens import Token
 
 tokens_cli = typer.Typer(help="Bearer tokens of the HTTP API.", no_args_is_help=True)
 cli.add_typer(tokens_cli, name="tokens")
 
 TOKEN_COLUMNS = ["id", "owner", "name", "scopes", "created", "last used", "revoked"]
-
-
-def _settings() -> ConveyorSettings:
-    """The services to use: ``CONVEYOR_*`` URLs, else those of a running ``conveyor up``."""
-    from conveyor.services import attach_or_fail
-
-    settings = ConveyorSettings()
-    found = attach_or_fail(settings)
-    return settings.with_urls(found.redis_url, found.database_url)
-
-
-def _engine() -> Engine:
-    """An engine on Conveyor's database for this command (waited for with ``--wait``)."""
-    from conveyor.db.engine import make_engine
-
-    settings = _settings()
-    assert settings.database_url
-    engine = make_engine(
-        settings.database_url,
-        pool_size=1,
-        connect_timeout=settings.db_connect_timeout,
-        schema=settings.db_schema,
-    )
-    waiter = out.active()
-    if waiter is not None:
-        waiter.attach(engine, settings.database_url)
-    return engine
 
 
 def _web_extra() -> None:
@@ -81,7 +55,7 @@ def serve(
         _web_extra()
         import uvicorn
 
-        settings = _settings()
+        settings = attached_settings()
         assert settings.redis_url and settings.database_url
         # Each server process builds its app from the environment (uvicorn's factory).
         os.environ["CONVEYOR_REDIS_URL"] = settings.redis_url
@@ -135,7 +109,9 @@ def tokens_create(
     """Create a token; its secret is printed once, here, and never again."""
 
     def main() -> int:
-        engine = _engine()
+        from conveyor import tokens
+
+        engine = attached_engine()
         try:
             out.wait_until_writable(engine)
             created = tokens.create(engine, owner=owner, scopes=scope, name=name)
@@ -166,7 +142,9 @@ def tokens_list(
     """Tokens, oldest first (never their secrets)."""
 
     def main() -> int:
-        engine = _engine()
+        from conveyor import tokens
+
+        engine = attached_engine()
         try:
             found = tokens.listed(engine, owner=owner, include_revoked=revoked)
         finally:
@@ -185,7 +163,9 @@ def tokens_revoke(token_id: str, wait: float = wait_option()) -> None:
     """Revoke a token (by its id, as `tokens list` shows it): it stops working at once."""
 
     def main() -> int:
-        engine = _engine()
+        from conveyor import tokens
+
+        engine = attached_engine()
         try:
             token = tokens.revoke(engine, token_id)
         except LookupError as exc:
@@ -199,7 +179,7 @@ def tokens_revoke(token_id: str, wait: float = wait_option()) -> None:
     run_command(main, wait=wait)
 
 
-def _record(token: tokens.Token) -> dict[str, object]:
+def _record(token: Token) -> dict[str, object]:
     return {
         "id": token.id,
         "owner": token.owner,
@@ -211,7 +191,7 @@ def _record(token: tokens.Token) -> dict[str, object]:
     }
 
 
-def _cells(token: tokens.Token) -> list[object]:
+def _cells(token: Token) -> list[object]:
     return [
         token.id,
         token.owner,
@@ -233,7 +213,7 @@ def stages_list(as_json: bool = json_option(), wait: float = wait_option()) -> N
     def main() -> int:
         from conveyor import registry
 
-        engine = _engine()
+        engine = attached_engine()
         try:
             found = sorted(registry.load(engine).values(), key=lambda r: r.name)
         finally:

@@ -14,6 +14,7 @@ with the reason.
     import conveyor
 
     client = conveyor.connect()                    # CONVEYOR_DATABASE_URL, CONVEYOR_REDIS_URL
+                                                   # (in Django: settings.CONVEYOR, DATABASES)
     job = client.submit("conveyor.demo.square", {"n": 7}, idempotency_key="order-42")
     job.wait(timeout=30)
     job.result                                     # {"n": 49}
@@ -36,10 +37,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
-from conveyor import registry
+from conveyor import connect, registry
 from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
 from conveyor.celeryconfig import celery_config
 from conveyor.connections import Connections
+from conveyor.db import schema as s
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.dlq import DeadLetterPage, DeadLetterQueue
 from conveyor.enlist import Enlistment
@@ -60,14 +62,15 @@ from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
 from conveyor.stage import checked_size
 from conveyor.stages import Stages
-from conveyor.stops import Stops
+from conveyor.stops import Stops, report_revoked
 from conveyor.store import JobStore, NewJob
 from conveyor.submit import Submitter, utc_or_none
 
 
 class _Settles:
-    """What a client does once a job it cancelled ended: wake its waiters. Followers
-    (canvas duplicates) are never a client's; the workers' reconciler settles them."""
+    """What a client does once a job it cancelled ended: wake its waiters and report it
+    revoked to a Celery caller (its chord counts it). Followers (canvas duplicates) are
+    never a client's; the workers' reconciler settles them."""
 
     def __init__(self, connections: Connections, deduper: Deduplicator) -> None:
         self.connections = connections
@@ -79,6 +82,8 @@ class _Settles:
         )
         if dedup_key:
             self.connections.fast.attempt(lambda r: self.deduper.release(job_id))
+        if status in (s.CANCELLED, s.EXPIRED):
+            report_revoked(self.connections, job_id)
 
     def resolve(self, holder: str) -> int:
         return 0
@@ -413,18 +418,6 @@ class Client:
     def close(self) -> None:
         """Close this client's connections (it reconnects if used again)."""
         self.connections.reset()
-
-
-def connect(
-    settings: ConveyorSettings | None = None,
-    *,
-    database_url: str | None = None,
-    redis_url: str | None = None,
-    broker_url: str | None = None,
-) -> Client:
-    """A :class:`Client` for the deployment named by ``settings`` (default: the environment);
-    ``broker_url``: the workers' RabbitMQ, when they use one."""
-    return Client(settings, database_url=database_url, redis_url=redis_url, broker_url=broker_url)
 
 
 __all__ = ["Client", "DeadLetters", "connect"]

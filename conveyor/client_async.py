@@ -16,7 +16,8 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from sqlalchemy.engine import RowMapping
 
-from conveyor.client import Client, DeadLetters
+from conveyor import connect
+from conveyor.client import DeadLetters
 from conveyor.dedup import Reuse
 from conveyor.dlq import DeadLetterPage
 from conveyor.handle import JobEvent, JobHandle
@@ -88,7 +89,8 @@ class AsyncClient:
         redis_url: str | None = None,
         broker_url: str | None = None,
     ) -> None:
-        self.sync = Client(settings, database_url=database_url, redis_url=redis_url, broker_url=broker_url)
+        # conveyor.connect(): without settings, a Django project's own, as for the sync client
+        self.sync = connect(settings, database_url=database_url, redis_url=redis_url, broker_url=broker_url)
 
     @property
     def dlq(self) -> AsyncDeadLetters:

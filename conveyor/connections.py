@@ -12,9 +12,13 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
 from celery import Celery
 from kombu.entity import Queue
 from redis import Redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
 from sqlalchemy import Connection, Engine
 
 from conveyor.amqp import AmqpEpoch
@@ -151,6 +155,22 @@ class Connections:
                 raise NotRunning("no Redis configured: run `conveyor up` or set CONVEYOR_REDIS_URL")
             self._redis = Redis.from_url(url, health_check_interval=30, socket_timeout=30)
         return self._redis
+
+    def redis_answers(self, timeout: float = 2.0) -> bool:
+        """Whether Conveyor's own Redis answers a PING within ``timeout`` seconds now (a
+        client of its own: the shared one may wait out a long socket timeout)."""
+        url = self.settings.redis_url
+        if not url or url == PLACEHOLDER_BROKER:
+            return False
+        probe = Redis.from_url(
+            url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0)
+        )
+        try:
+            return bool(probe.ping())
+        except RedisError:
+            return False
+        finally:
+            probe.close()
 
     @property
     def broker(self) -> Broker:

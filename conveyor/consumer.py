@@ -65,6 +65,33 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     _away_from_default = False  # stepped back from the default queue, coming back on a timer
     _slots: Slots | None = None  # RabbitMQ: one unacknowledged delivery per pool slot
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Before Celery's __init__: it builds the steps, which may add hooks here.
+        self.while_waiting: list[Callable[[Any], object]] = []
+        super().__init__(*args, **kwargs)
+
+    def ensure_connected(self, conn: Any) -> Any:
+        """Celery's wait for the broker (kombu retries for as long as it is away), with
+        each of :attr:`while_waiting` called with this consumer at each miss and about
+        every second of the pauses between tries (kombu's retry ``callback``): the
+        liveness tick of :class:`conveyor.loop_probe.LoopTicks`."""
+        ensure, hooks = conn.ensure_connection, self.while_waiting
+
+        def ensure_connection(*args: Any, callback: Callable[[], object] | None = None, **kwargs: Any) -> Any:
+            def each() -> None:
+                for hook in hooks:
+                    try:
+                        hook(self)
+                    except Exception:  # a tick not written must not end the wait
+                        log.debug("while_waiting hook failed", exc_info=True)
+                if callback is not None:
+                    callback()
+
+            return ensure(*args, callback=each, **kwargs)
+
+        conn.ensure_connection = ensure_connection
+        return super().ensure_connected(conn)
+
     def create_task_handler(self, promise: Any = promise) -> Callable[[Any], Any]:
         """Celery's handler of task messages; on RabbitMQ behind :class:`Slots`."""
         handler: Callable[[Any], Any] = super().create_task_handler(promise)

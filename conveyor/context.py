@@ -68,6 +68,9 @@ class JobContext:
         self.held: Held | None = None
         self.slot: Slot | None = None  # a concurrency slot, renewed with the heartbeat
         self.stop_requested: str | None = None  # "preempt" / "cancel", set by the poller
+        # The stop this attempt is handling once Preempted/Cancelled was raised into it:
+        # later interrupts for it are dropped, so its cleanup runs to its end.
+        self.stopping: str | None = None
         self._last_check = 0.0
 
     @property
@@ -122,8 +125,10 @@ class JobContext:
             self._last_check = now
             kind = self.stop_requested = self.services.stops.stop_requested(self.job_id, self.attempt)
         if kind == PREEMPT:
+            self.stopping = kind
             raise Preempted(f"job {self.job_id} yields its lease to a higher-priority job")
         if kind == CANCEL:
+            self.stopping = kind
             raise Cancelled(f"job {self.job_id} was cancelled")
 
     @contextmanager

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 Mode = Literal["simple", "throttle", "debounce", "id"]
 Reuse = Literal["never", "if_failed", "always"]
 FAILED = (s.DEAD, s.CANCELLED, s.EXPIRED)
+# The key, in a keyed job's stored options, of the plan it was submitted with (DedupPlan.stored).
+PLAN_OPTION = "dedup_plan"
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,11 @@ class DedupPlan:
     def expires_ms(self, now: float) -> int | None:
         """Absolute expiry on the dedup clock, for the cache entry."""
         return int((now + self.ttl) * 1000) if self.ttl else None
+
+    def stored(self) -> dict[str, Any]:
+        """What the job keeps of this plan (its options' ``PLAN_OPTION``): a DLQ retry
+        takes the dedup id again as this submit would, with the same ``reuse``."""
+        return {"mode": self.dedup.mode, "ttl": self.ttl, "reuse": self.reuse}
 
 
 @dataclass
@@ -357,8 +364,8 @@ class Deduplicator:
         return Acquired(str(current["job_id"]), False)
 
     def retake(self, conn: Connection, dedup_id: str, job_id: str, *, now: float, mode: Mode) -> str | None:
-        """Give ``dedup_id`` back to ``job_id`` (a DLQ retry; a follower whose holder was
-        cancelled), unless another *live* job holds it: that job's id is returned.
+        """Give ``dedup_id`` back to ``job_id`` (a follower whose holder was cancelled),
+        unless another *live* job holds it: that job's id is returned.
 
         The row is locked, so a concurrent submit's acquire waits and then sees the new
         holder. A throttle or id key keeps its length of hold; ``mode`` applies only when
@@ -468,4 +475,4 @@ class Deduplicator:
         return next_seq(conn)
 
 
-__all__ = ["Acquired", "Dedup", "Deduplicator", "canonical_json"]
+__all__ = ["PLAN_OPTION", "Acquired", "Dedup", "Deduplicator", "canonical_json"]

@@ -26,7 +26,7 @@ from conveyor.db import schema as s
 from conveyor.db.dialect import db_now, db_now_plus
 from conveyor.db.engine import reading
 from conveyor.db.schema import dead_letters, jobs
-from conveyor.dedup import Deduplicator, Mode
+from conveyor.dedup import PLAN_OPTION, Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.errors import ConfigurationError, RetryNeedsDeployment, RetryRefused, UnknownStage
 from conveyor.recorder import Recorder
 from conveyor.registry import RegisteredStage
@@ -49,10 +49,10 @@ class DeadLetterPage:
 
 @dataclass(frozen=True)
 class _Rerun:
-    """How a dead job is run again: its new attempt budget, dedup mode and hook."""
+    """How a dead job is run again: its new attempt budget, its stage's dedup policy and hook."""
 
     max_attempts: int
-    dedup_mode: Mode
+    dedup: Dedup | None
     on_retry: Callable[[Any, Any], None] | None
 
 
@@ -137,8 +137,10 @@ class DeadLetterQueue:
     def retry(self, entry_id: int, *, by: str = "cli") -> str | None:
         """Send the entry's job back to ``queued`` with a fresh attempt budget.
 
-        A job with a dedup id takes it again; while another live job holds it the retry
-        is refused (:class:`RetryRefused`, naming that job) and the entry stays open.
+        A job with a dedup id takes it again as a ``submit()`` of it would, with the dedup
+        mode and ``reuse`` it was submitted with (:meth:`_retake`); where that submit would
+        be deduplicated into another job, the retry is refused (:class:`RetryRefused`,
+        naming that job) and the entry stays open.
 
         The job runs again from its own stage: its stage's ``on_retry`` hook undoes what
         ``on_dead`` recorded, and when it completes, the continuation that ran with the
@@ -164,16 +166,7 @@ class DeadLetterQueue:
             plan = self._rerun(job["stage"], entry_id)
             budget = plan.max_attempts
             if job["dedup_key"]:
-                now = self.deduper.clock()
-                holder = self.deduper.retake(
-                    conn, job["dedup_key"], str(job["id"]), now=now, mode=plan.dedup_mode
-                )
-                if holder is not None:
-                    raise RetryRefused(
-                        f"not retried: job {holder} holds dedup id {job['dedup_key']!r} and has not "
-                        f"finished; retry entry {entry_id} once it has, or cancel it",
-                        holder=holder,
-                    )
+                self._retake(conn, job, plan, entry_id)
             res = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job["id"], jobs.c.status == s.DEAD, jobs.c.attempts == job["attempts"])
@@ -205,14 +198,50 @@ class DeadLetterQueue:
         self.recorder.republish_if_queued(job["id"])
         return str(job["id"])
 
+    def _retake(self, conn: Any, job: RowMapping, plan: _Rerun, entry_id: int) -> None:
+        """Take the job's dedup id back, in the retry's transaction, by the decision a
+        ``submit()`` of it would take now (:meth:`Deduplicator.acquire`, under the holder's
+        mode and the ``reuse`` the job was submitted with); raise :class:`RetryRefused`
+        naming the job that submit would be deduplicated into."""
+        dedup_id = str(job["dedup_key"])
+        scope, _, key = dedup_id.partition(":")
+        stored = (job["options"] or {}).get(PLAN_OPTION) or {}
+        reuse: Reuse = stored.get("reuse", "never")
+        if stored.get("mode"):  # the plan it was submitted with (a per-submit Dedup too)
+            mode, ttl = stored["mode"], stored.get("ttl")
+        elif plan.dedup is not None:  # a job recorded before plans were kept: its stage's
+            retention = self.connections.settings.retention_days * 86400
+            mode, ttl = plan.dedup.mode, DedupPlan(plan.dedup, scope, key, reuse, retention).ttl
+        else:
+            mode, ttl = "simple", None
+        now = self.deduper.clock()
+        job_id = str(job["id"])
+        acquired = self.deduper.acquire(
+            conn, scope=scope, key=key, mode=mode, job_id=job_id, now=now, ttl=ttl, reuse=reuse
+        )
+        if acquired.won or acquired.holder == job_id:
+            return
+        holder = acquired.holder
+        status = conn.execute(select(jobs.c.status).where(jobs.c.id == holder)).scalar_one_or_none()
+        if status is None:
+            why = f"was purged; retry entry {entry_id} once the reconciler frees the id"
+        elif status not in s.TERMINAL:
+            why = f"has not finished ({status}); retry entry {entry_id} once it has, or cancel it"
+        else:
+            why = (
+                f"ended {status}: a submit of this job now (reuse={reuse!r}) would return that job "
+                f"instead of running again; purge entry {entry_id}, or submit anew with reuse='always'"
+            )
+        raise RetryRefused(f"not retried: job {holder} holds dedup id {dedup_id!r} and {why}", holder=holder)
+
     def _rerun(self, stage: str, entry_id: int) -> _Rerun:
         """The stage's budget, dedup mode and hook: from its code, or (a client) from its
         registry row, refusing a stage whose hook only the deployment can run."""
         if self.registered is None:
             spec = self._spec(stage)
             if spec is None:
-                return _Rerun(self.connections.settings.default_max_attempts, "simple", None)
-            return _Rerun(spec.max_attempts, spec.dedup.mode if spec.dedup else "simple", spec.on_retry)
+                return _Rerun(self.connections.settings.default_max_attempts, None, None)
+            return _Rerun(spec.max_attempts, spec.dedup, spec.on_retry)
         try:
             row = self.registered(stage)
         except (UnknownStage, ConfigurationError):
@@ -229,8 +258,7 @@ class DeadLetterQueue:
                 f"entry {entry_id} with `conveyor dlq retry {entry_id}`",
                 entry_id=entry_id,
             )
-        policy = row.dedup_policy()
-        return _Rerun(row.max_attempts, policy.mode if policy else "simple", None)
+        return _Rerun(row.max_attempts, row.dedup_policy(), None)
 
     def _spec(self, stage: str) -> StageSpec | None:
         """The stage's spec, importing the deployment's stage modules if this process (a

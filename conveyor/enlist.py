@@ -21,6 +21,7 @@ class Enlistment(Protocol):
 
     def after_commit(self, fn: Callable[[], None], job_id: str) -> None:
         """Run ``fn`` (the publish) once the outermost transaction commits; never if the
-        transaction, or a savepoint around the submit, rolls back. If ``fn`` never runs
-        after a commit (a crash), the relay publishes job ``job_id``."""
+        transaction, or a savepoint around the submit, rolls back. The job's row is
+        recorded unpublished: if ``fn`` never runs after a commit (a crash, a framework
+        that skipped it), the relay's next pass publishes job ``job_id``."""
         ...

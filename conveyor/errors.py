@@ -33,22 +33,27 @@ retried, because giving up on a job that might have succeeded on a second try is
 worse mistake. Stages that know better raise :class:`PermanentError`.
 
 Database errors are classified by what they mean, not by the driver's class names: a
-*lost connection* (:func:`is_connection_loss`) never counts an attempt, wherever it
-happens; a query the database refused as wrong (SQLAlchemy's ``DataError`` and
-``ProgrammingError``) is permanent; anything else a query raises (a statement timeout,
-a deadlock, a serialization failure, a lock timeout) is an ordinary transient failure
-that counts. Uncounted requeues are bounded too (``max_requeues``): past the bound the
-job is dead-lettered with "infrastructure kept failing".
+*lost connection* (:func:`is_connection_loss`) of Conveyor's own Postgres or Redis
+(:func:`is_own_outage`) never counts an attempt; a statement the driver or the database
+refused as wrong (``DataError``, ``ProgrammingError``, ``IntegrityError``, raised by the
+server or by the driver itself) is permanent; anything else a query raises (a statement
+timeout, a deadlock, a serialization failure, a lock timeout) is an ordinary transient
+failure that counts, and so is an outage of a server the body itself connects to.
+Uncounted requeues are bounded too (``max_requeues``): past the bound the job is
+dead-lettered with "infrastructure kept failing".
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Sequence
-from typing import Literal
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
 
-import redis.exceptions
-import sqlalchemy.exc
+# Redis and SQLAlchemy are imported by the functions that need them: every module imports
+# this one, and `import conveyor` (or `conveyor --help`) must not load them.
+if TYPE_CHECKING:
+    import sqlalchemy.exc
 
 
 class ConveyorError(Exception):
@@ -160,8 +165,8 @@ class DatabaseBusy(InfrastructureError):
 
 
 class RetryRefused(ConveyorError):
-    """A DLQ retry that would run a second job for a dedup id another live job holds
-    (``holder``), or (:class:`RetryNeedsDeployment`) one a client may not perform."""
+    """A DLQ retry whose job a submit would now deduplicate into the job holding its dedup
+    id (``holder``), or (:class:`RetryNeedsDeployment`) one a client may not perform."""
 
     def __init__(self, message: str, *, holder: str | None) -> None:
         super().__init__(message)
@@ -185,13 +190,18 @@ class RequeuesExhausted(InfrastructureError):
     """A job was requeued uncounted (outages, shutdowns) more often than ``max_requeues``."""
 
 
-# SQLAlchemy's pool timing out means our own database is saturated or gone: no attempt.
-_CONNECTION_LOSS: tuple[type[BaseException], ...] = (
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    sqlalchemy.exc.TimeoutError,
-    InfrastructureError,
-)
+def _connection_loss() -> tuple[type[BaseException], ...]:
+    import redis.exceptions
+    import sqlalchemy.exc
+
+    # SQLAlchemy's pool timing out means our own database is saturated or gone: no attempt.
+    return (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        sqlalchemy.exc.TimeoutError,
+        InfrastructureError,
+    )
+
 
 # billiard's pool child turns SIGTERM into SystemExit(-(256 - SIGTERM)): the worker (a
 # cold shutdown, or Celery cancelling jobs on a broker connection loss) stopped the job.
@@ -199,16 +209,52 @@ STOPPED_BY_WORKER = -(256 - signal.SIGTERM)
 
 
 def is_connection_loss(exc: BaseException) -> bool:
-    """True when ``exc`` means Postgres or Redis could not be reached (never counted).
+    """True when ``exc`` means a Postgres or Redis could not be reached, whose ever it is
+    (:func:`is_own_outage` tells whether it was Conveyor's own: only that is uncounted).
 
     A DBAPI error counts as a lost connection only when SQLAlchemy invalidated the
-    connection (``connection_invalidated``): query-level failures that psycopg also
-    files under ``OperationalError`` (statement timeout, deadlock, lock timeout) and
-    SQLite's "no such table" are not outages.
+    connection (``connection_invalidated``) or the server never answered: query-level
+    failures that psycopg also files under ``OperationalError`` (statement timeout,
+    deadlock, lock timeout), a statement psycopg refuses itself (a NUL byte, a wrong
+    parameter count: ``sqlstate`` None too) and SQLite's "no such table" are not outages.
     """
+    import sqlalchemy.exc
+
     if isinstance(exc, sqlalchemy.exc.DBAPIError):
-        return bool(exc.connection_invalidated) or _unreachable(exc.orig)
-    return isinstance(exc, _CONNECTION_LOSS)
+        return bool(exc.connection_invalidated) or _unreachable(exc)
+    return isinstance(exc, _connection_loss())
+
+
+# Set on an exception raised by Conveyor's own engine or its pool (mark_own).
+_OWN = "_conveyor_own"
+
+
+def mark_own(exc: BaseException) -> BaseException:
+    """Note that Conveyor's own engine or pool raised ``exc`` (see
+    :func:`conveyor.db.engine.make_engine`); returns it."""
+    setattr(exc, _OWN, True)
+    return exc
+
+
+def is_own_outage(exc: BaseException, *, redis_answers: Callable[[], bool]) -> bool:
+    """True when ``exc``, raised while a stage body ran, is a lost connection of
+    Conveyor's own: its engine (or pool) raised it, or it is a Redis connection error and
+    Conveyor's own Redis does not answer either (``redis_answers``, asked only then).
+
+    The same errors from a server the body itself connects to (its own engine, psycopg or
+    Redis client) are the body's: counted, and retried on the stage's policy.
+    """
+    if isinstance(exc, InfrastructureError):
+        return True
+    if not is_connection_loss(exc):
+        return False
+    if getattr(exc, _OWN, False):
+        return True
+    import redis.exceptions
+
+    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return not redis_answers()
+    return False
 
 
 # SQLSTATE classes that mean "no usable connection": connection exceptions, and a server
@@ -218,14 +264,35 @@ _UNREACHABLE_STATES = ("08", "57P01", "57P02", "57P03")
 _SQLITE_BUSY = ("database is locked", "database table is locked")
 
 
-def _unreachable(orig: BaseException | None) -> bool:
+def _unreachable(exc: sqlalchemy.exc.DBAPIError) -> bool:
+    import sqlalchemy.exc
+
+    orig = exc.orig
     if orig is None:
         return False
-    if hasattr(orig, "sqlstate"):  # psycopg: None when the server never answered
+    if hasattr(orig, "sqlstate"):
         state = orig.sqlstate
-        return state is None or str(state).startswith(_UNREACHABLE_STATES)
+        if state is None:
+            # psycopg: the server never answered (OperationalError), or psycopg refused the
+            # statement itself before sending it (DataError, ProgrammingError, ...).
+            return isinstance(exc, sqlalchemy.exc.OperationalError)
+        return str(state).startswith(_UNREACHABLE_STATES)
     text = str(orig)
     return any(phrase in text for phrase in _SQLITE_BUSY)
+
+
+_REFUSED_STATEMENT = ("DataError", "ProgrammingError", "IntegrityError")
+
+
+def _driver_errors(names: Sequence[str]) -> tuple[type[BaseException], ...]:
+    """The DBAPI classes ``names`` of the drivers loaded in this process (an exception of a
+    driver never imported cannot exist here: nothing is imported for the check)."""
+    found: list[type[BaseException]] = []
+    for module in ("psycopg", "sqlite3"):
+        driver = sys.modules.get(module)
+        if driver is not None:
+            found.extend(getattr(driver, name) for name in names)
+    return tuple(found)
 
 
 def is_stopped_by_worker(exc: BaseException) -> bool:
@@ -236,18 +303,29 @@ def is_stopped_by_worker(exc: BaseException) -> bool:
 def is_permanent(exc: BaseException) -> bool:
     """Return True when ``exc`` must dead-letter the job without a retry.
 
-    A query the database rejected as malformed or invalid for its data fails the same
-    way every time; other database errors (timeouts, deadlocks) may pass.
+    A statement the database or the driver rejected as malformed, invalid for its data or
+    breaking a constraint fails the same way every time, through SQLAlchemy or raw psycopg;
+    other database errors (timeouts, deadlocks) may pass.
     """
-    return isinstance(exc, (PermanentError, sqlalchemy.exc.DataError, sqlalchemy.exc.ProgrammingError))
+    import sqlalchemy.exc
+
+    refused = (sqlalchemy.exc.DataError, sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.IntegrityError)
+    return isinstance(exc, (PermanentError, *refused, *_driver_errors(_REFUSED_STATEMENT)))
 
 
 def describe(exc: BaseException) -> str:
     """A person-facing message for ``exc``: for a database error, the driver's own words
     (first line only), never the statement or its parameters."""
-    if isinstance(exc, sqlalchemy.exc.DBAPIError) and exc.orig is not None:
-        first = (str(exc.orig).strip().splitlines() or [type(exc.orig).__name__])[0]
-        return f"database error ({type(exc.orig).__name__}): {first}"
+    import sqlalchemy.exc
+
+    orig: BaseException | None = exc
+    if isinstance(exc, sqlalchemy.exc.DBAPIError):
+        orig = exc.orig
+    elif not isinstance(exc, _driver_errors(("Error",))):
+        orig = None
+    if orig is not None:
+        first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+        return f"database error ({type(orig).__name__}): {first}"
     return str(exc).strip() or type(exc).__name__
 
 

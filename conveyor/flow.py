@@ -34,6 +34,7 @@ from conveyor.metrics import Metrics
 from conveyor.recorder import Recorder
 from conveyor.stage import to_jsonable
 from conveyor.stages import Stages
+from conveyor.stops import report_revoked
 from conveyor.store import JobStore, NewJob, Row, counted_attempts, new_event
 
 log = logging.getLogger("conveyor.flow")
@@ -75,13 +76,16 @@ class Flow:
         self.metrics = metrics
 
     def finished(self, job_id: str, status: str, *, dedup_key: str | None = None) -> None:
-        """After a job's terminal transition committed: wake waiters, free its cached dedup key."""
+        """After a job's terminal transition committed: wake waiters, free its cached dedup
+        key; a job cancelled or expired is reported to Celery as revoked (its chord counts it)."""
         try:
             self.connections.broker.notify(job_id, status)
             if dedup_key:
                 self.deduper.release(job_id)
         except Exception:  # both are fast paths; Postgres already has the truth
             log.warning("post-terminal notification for %s failed", job_id, exc_info=True)
+        if status in (s.CANCELLED, s.EXPIRED):
+            report_revoked(self.connections, job_id)
         if dedup_key:
             try:
                 self.resolve(job_id)

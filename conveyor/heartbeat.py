@@ -10,7 +10,9 @@ SIGUSR2 (billiard delivers soft time limits on SIGUSR1, so a shared signal could
 the two apart). The handler raises ``Preempted``/``Cancelled`` only when the job this
 process runs *now*, at this attempt, carries a stop request; an interrupt that arrives
 before the request is known asks the thread to read Postgres at once and to signal again
-if there is one; any other interrupt is ignored and the job runs on.
+if there is one; any other interrupt is ignored and the job runs on. Once the attempt is
+stopping (a checkpoint or an interrupt raised into it), later interrupts are dropped: its
+cleanup (the body's ``finally``, the runner's requeue) runs to its end.
 """
 
 from __future__ import annotations
@@ -121,11 +123,15 @@ class Heartbeat:
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         # Runs in the main thread between bytecodes: memory only, no I/O.
         ctx = self.current
-        if ctx is None:
+        if ctx is None or ctx.stopping is not None:
+            # Already stopping (at a checkpoint, or by an earlier interrupt): a second
+            # exception would land in the body's cleanup or the runner's requeue write.
             return
         if ctx.stop_requested == PREEMPT:
+            ctx.stopping = PREEMPT
             raise Preempted(f"job {ctx.job_id} interrupted: it did not yield its lease in time")
         if ctx.stop_requested == CANCEL:
+            ctx.stopping = CANCEL
             raise Cancelled(f"job {ctx.job_id} interrupted after cancel()")
         self._interrupt_pending = True
         self._wake.set()
@@ -179,6 +185,8 @@ class Heartbeat:
         if not self._interrupt_pending or ctx is None:
             return
         self._interrupt_pending = False
+        if ctx.stopping is not None:
+            return  # it stopped meanwhile (at a checkpoint)
         if ctx.stop_requested is not None:
             os.kill(os.getpid(), INTERRUPT_SIGNAL)
         else:

@@ -16,17 +16,17 @@ import logging
 import re
 import socket
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from logging.handlers import WatchedFileHandler
 from typing import TYPE_CHECKING, Any, TextIO, TypeAlias
 
-import structlog
-from opentelemetry import trace
-from structlog.stdlib import BoundLogger, ProcessorFormatter
-from structlog.typing import EventDict, Processor, WrappedLogger
-
+# structlog and OpenTelemetry are imported where they are used: a command that logs nothing
+# (`conveyor --help`) imports this module for redaction and must not load them.
 if TYPE_CHECKING:
+    from structlog.stdlib import BoundLogger
+    from structlog.typing import EventDict, Processor, WrappedLogger
+
     from conveyor.settings import ConveyorSettings
 
 MASK = "***"
@@ -49,9 +49,23 @@ _INLINE = re.compile(
     r"(?P<value>\"[^\"]*\"|'[^']*'|(?P<scheme>(?:bearer|basic|digest|token)\s+)?[^\s&;,\"'<>()\[\]{}]+)",
     re.IGNORECASE,
 )
+# A command line: ``--password S3CR3T``, ``-token 'a b'`` (a long option after it is no value).
+_OPTION = re.compile(
+    rf"(?<![\w-])(?P<key>--?(?=[\w-]*?{_SECRET_WORD})[\w-]++)(?P<sep>\s+)(?!--)"
+    r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s\"']++)",
+    re.IGNORECASE,
+)
+# The repr of a list or tuple (or a JSON array): ``['--password', 'S3CR3T']``.
+_LISTED = re.compile(
+    rf"(?P<key>(?P<quote>[\"'])-{{0,2}}(?=[\w-]*?{_SECRET_WORD})[\w-]++(?P=quote))(?P<sep>\s*,\s*)"
+    r"(?![\"']?--)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,\])}]++)",
+    re.IGNORECASE,
+)
+# An item of a list or tuple that names a secret, whose next item is its value.
+_SECRET_ITEM = re.compile(rf"-{{0,2}}(?=[\w-]*?{_SECRET_WORD})[\w-]++", re.IGNORECASE)
 _BEARER = re.compile(r"\b(?P<word>bearer)\s+(?!\*\*\*)[A-Za-z0-9._~+/-]+=*", re.IGNORECASE)
-# A text none of the patterns can match skips them (most log lines): _INLINE needs a secret
-# word, _BEARER its word, _URL_PASSWORD and _EMAIL an "@".
+# A text none of the patterns can match skips them (most log lines): _INLINE, _OPTION and
+# _LISTED need a secret word, _BEARER its word, _URL_PASSWORD and _EMAIL an "@".
 _MAYBE_SECRET = re.compile(rf"{_SECRET_WORD}|bearer", re.IGNORECASE)
 _EMAIL = re.compile(r"(?<![\w.%+-])[\w.%+-]+@(?P<domain>(?:[A-Za-z0-9-]+\.)+[A-Za-z]{2,})(?![\w-])")
 # Celery node names look like addresses (``worker1@host.example.com``); this host's are kept.
@@ -64,7 +78,8 @@ def _mask_inline(match: re.Match[str]) -> str:
     if value[0] in "\"'":
         masked = f"{value[0]}{MASK}{value[0]}"
     else:
-        masked = f"{match['scheme']}{MASK}" if match["scheme"] else MASK
+        scheme = match.groupdict().get("scheme")
+        masked = f"{scheme}{MASK}" if scheme else MASK
     return f"{match['key']}{match['sep']}{masked}"
 
 
@@ -85,13 +100,16 @@ def _secret_name(name: str) -> bool:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with URL passwords, ``key=secret`` pairs, bearer tokens and the local part
-    of e-mail addresses replaced by ``***``."""
+    """``text`` with URL passwords, ``key=secret`` pairs, the values of secret options on a
+    command line (``--password S3CR3T``) and of listed pairs (``['token', 'S3CR3T']``),
+    bearer tokens and the local part of e-mail addresses replaced by ``***``."""
     at = "@" in text
     if at:
         text = _URL_PASSWORD.sub(rf"\g<head>:{MASK}@", text)
     if _MAYBE_SECRET.search(text) is not None:
         text = _INLINE.sub(_mask_inline, text)
+        text = _OPTION.sub(_mask_inline, text)
+        text = _LISTED.sub(_mask_inline, text)
         text = _BEARER.sub(lambda m: f"{m['word']} {MASK}", text)
     return _EMAIL.sub(_mask_email, text) if at else text
 
@@ -112,8 +130,23 @@ def redact_value(value: Any, _depth: int = 0) -> Any:
         return {k: _redact_item(k, v, _depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         items = [redact_value(v, _depth + 1) for v in value]
+        _mask_listed_values(value, items)
         return items if isinstance(value, list) else tuple(items)
     return redact_text(repr(value))
+
+
+def _mask_listed_values(original: Sequence[Any], items: list[Any]) -> None:
+    """An argv-like sequence (``["--password", "S3CR3T"]``, ``("token", t)``): the item after
+    one that names a secret is its value, unless it is missing or a long option."""
+    for i in range(1, len(items)):
+        name, value = original[i - 1], original[i]
+        if (
+            isinstance(name, str)
+            and value is not None
+            and not (isinstance(value, str) and value.startswith("--"))
+            and _SECRET_ITEM.fullmatch(name) is not None
+        ):
+            items[i] = MASK
 
 
 def _redact_item(key: object, value: Any, depth: int) -> Any:
@@ -147,6 +180,8 @@ _ADDED = frozenset({"logger", "level", "timestamp", "trace_id", "span_id"})
 def add_trace_ids(logger: WrappedLogger, method_name: str, event_dict: EventDict) -> EventDict:
     """structlog processor: ``trace_id`` and ``span_id`` (hex, as trace backends show them)
     of the OpenTelemetry span current where the line was logged, if any."""
+    from opentelemetry import trace
+
     current = trace.get_current_span().get_span_context()
     if current.is_valid:
         event_dict.setdefault("trace_id", format(current.trace_id, "032x"))
@@ -156,6 +191,8 @@ def add_trace_ids(logger: WrappedLogger, method_name: str, event_dict: EventDict
 
 def _shared_processors() -> list[Processor]:
     """Run on structlog events at the call and on stdlib records in the formatter."""
+    import structlog
+
     return [
         structlog.contextvars.merge_contextvars,
         add_trace_ids,
@@ -170,6 +207,8 @@ def _shared_processors() -> list[Processor]:
 
 
 def _renderer(log_format: str, stream: TextIO | None) -> Processor:
+    import structlog
+
     if log_format == "json":
         return structlog.processors.JSONRenderer()
     isatty = getattr(stream, "isatty", None)
@@ -190,6 +229,9 @@ def configure_logging(
     (default: standard error). Calling it again replaces the handler it installed
     before; other handlers on the root logger are left alone. Returns the handler.
     """
+    import structlog
+    from structlog.stdlib import BoundLogger, ProcessorFormatter
+
     shared = _shared_processors()
     structlog.configure(
         processors=[
@@ -231,6 +273,39 @@ def configure_logging(
     return handler
 
 
+class _OnFirstRecord(logging.Handler):
+    """Stands in for :func:`configure_logging` until a record reaches it (see
+    :func:`configure_logging_on_first_record`)."""
+
+    def __init__(self, settings: ConveyorSettings) -> None:
+        super().__init__()
+        self.settings: ConveyorSettings | None = settings
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Handler.handle holds this handler's lock around emit: one thread sets up.
+        settings, self.settings = self.settings, None
+        if settings is None:
+            return
+        root = logging.getLogger()
+        if not any(h.get_name() == HANDLER_NAME for h in root.handlers):
+            # Appended to the root logger's handlers, the handler renders this very record
+            # in the logging call under way; taking this one out mid-call could skip one.
+            configure_logging(settings)
+
+
+def configure_logging_on_first_record(settings: ConveyorSettings) -> None:
+    """:func:`configure_logging` once a first record is logged, so a process that logs
+    nothing (``conveyor --help``, a ``jobs list``) never imports structlog.
+
+    The level is set now; a stand-in handler on the root logger does the rest when a record
+    reaches it, unless Conveyor's logging was configured meanwhile (Celery's
+    ``setup_logging`` in a worker): then, and after its first record, it does nothing.
+    """
+    root = logging.getLogger()
+    root.setLevel(settings.log_level)
+    root.addHandler(_OnFirstRecord(settings))
+
+
 # -- per-job context ---------------------------------------------------------------------
 
 
@@ -240,6 +315,8 @@ def bind_job(job_id: str, stage: str, attempt: int, queue: str | None = None) ->
     Returns the tokens for :func:`unbind_job`, which restores what was bound before (a
     stage run inline inside another job gives the outer job its fields back).
     """
+    import structlog
+
     return structlog.contextvars.bind_contextvars(job_id=job_id, stage=stage, attempt=attempt, queue=queue)
 
 
@@ -249,6 +326,8 @@ def unbind_job(tokens: JobTokens | None = None) -> None:
     Tokens from another thread or context, or already used, are ignored: nothing of
     theirs is bound here.
     """
+    import structlog
+
     if tokens is None:
         structlog.contextvars.unbind_contextvars(*JOB_KEYS)
         return
@@ -286,6 +365,9 @@ def job_logger(*, job_id: str, stage: str, attempt: int, queue: str | None = Non
     The fields are bound on the logger itself as well as in the context, so lines logged
     from threads a stage starts carry them too.
     """
+    import structlog
+    from structlog.stdlib import BoundLogger
+
     fields = {"job_id": job_id, "stage": stage, "attempt": attempt, "queue": queue}
     if structlog.is_configured():
         logger: BoundLogger = structlog.stdlib.get_logger(JOB_LOGGER)

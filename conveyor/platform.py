@@ -76,6 +76,8 @@ class Platform:
             lease_timeout=settings.lease_timeout,
             max_requeues=settings.max_requeues,
             detect_local_dead_owners=settings.detect_local_dead_owners,
+            requeue_backoff=settings.infra_backoff,
+            requeue_backoff_cap=settings.infra_backoff_cap,
         )
         self.metrics = metrics = Metrics(settings)
         self.deduper = deduper = Deduplicator(settings, lambda: conns.redis)

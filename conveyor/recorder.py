@@ -11,15 +11,15 @@ import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel
-from sqlalchemy import Connection, update
+from sqlalchemy import Connection, select, update
 
 from conveyor.amqp import Unroutable
 from conveyor.connections import Connections
 from conveyor.db import schema as s
-from conveyor.db.dialect import database_clock
+from conveyor.db.dialect import database_clock, db_now
 from conveyor.db.lane import Lane
 from conveyor.db.schema import jobs
-from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
+from conveyor.dedup import PLAN_OPTION, Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.followers import Followers
 from conveyor.metrics import Metrics
 from conveyor.stage import StageSpec, checked_payload
@@ -91,6 +91,7 @@ class Recorder:
         job, or as a follower of the holder)."""
         if plan is not None:
             d = plan.dedup
+            new.options = {**new.options, PLAN_OPTION: plan.stored()}
             if d.mode == "debounce":
                 new.dedup_seq = self.deduper.sequence(conn)
             acq = self.deduper.acquire(
@@ -184,6 +185,32 @@ class Recorder:
                     )
             except Exception:
                 log.warning("could not mark job %s unpublished; republish_after covers it", new.id)
+
+    def mark_committed(self, new: NewJob, *, epoch: str | None) -> bool | None:
+        """After the caller's commit: whether ``new``'s row is in Conveyor's database (None:
+        the database did not answer). With ``epoch``, a row nobody published yet (the
+        relay may have, at its pass) is also marked published under it, in the same
+        statement, and ``new.published_epoch`` set: the caller then publishes it."""
+        try:
+            with self.connections.autocommit() as conn:
+                if epoch is not None:
+                    res = conn.execute(
+                        update(jobs)
+                        .where(
+                            jobs.c.id == new.id,
+                            jobs.c.status == s.QUEUED,
+                            jobs.c.attempts == 0,
+                            jobs.c.published_at.is_(None),
+                        )
+                        .values(celery_task_id=new.origin_task_id, broker_epoch=epoch, published_at=db_now())
+                    )
+                    if res.rowcount == 1:
+                        new.published_epoch = epoch
+                        return True
+                return conn.execute(select(jobs.c.id).where(jobs.c.id == new.id)).first() is not None
+        except Exception as exc:  # the relay publishes it once the database answers
+            log.warning("could not mark job %s published after its commit (%s)", new.id, type(exc).__name__)
+            return None
 
     def dedup_clock(self) -> float:
         """The dedup clock: Redis ``TIME`` (asked briefly), else the database's."""

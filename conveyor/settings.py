@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from conveyor.db.namespace import SCHEMA, checked_schema
+from conveyor.db.names import SCHEMA, checked_schema
 
 
 def _log_level(value: str) -> str:
@@ -98,7 +98,20 @@ class ConveyorSettings(BaseSettings):
     republish_after: float = Field(300.0, description="republish a job queued but unclaimed this long")
     backoff_base: float = 1.0
     backoff_cap: float = 600.0
-    infra_backoff: float = Field(1.0, description="wait before requeueing on a Postgres/Redis outage")
+    infra_backoff: float = Field(
+        1.0,
+        ge=0,
+        description="an attempt cut short by an outage of Conveyor's own Postgres or Redis is "
+        "requeued uncounted to run again after this long, doubling with each requeue of the job "
+        "(up to infra_backoff_cap); also a worker's pause before giving back a message it could "
+        "not claim in an outage",
+    )
+    infra_backoff_cap: float = Field(
+        60.0,
+        ge=0,
+        description="longest wait before an uncounted requeue runs again: with the defaults, "
+        "max_requeues requeues take at least 15 minutes, so a 10-minute outage exhausts none",
+    )
     default_max_attempts: int = 3
     default_time_limit: float = 300.0
     default_soft_time_limit: float = 270.0

@@ -14,6 +14,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from celery import states
+from celery.app.task import Context
+from celery.exceptions import TaskRevokedError
 from sqlalchemy import Connection, or_, select, update
 
 from conveyor.connections import Connections
@@ -209,4 +212,41 @@ class Stops:
             self.connections.redis.delete(self._flag(job_id))
 
 
-__all__ = ["CANCEL", "PREEMPT", "Stops"]
+def report_revoked(connections: Connections, job_id: str) -> None:
+    """After a job ended ``cancelled`` or ``expired`` (it never produced a result), tell
+    Celery's result backend what Celery records for a revoked task: state ``REVOKED`` with
+    :class:`~celery.exceptions.TaskRevokedError` under its task id (and the rest of its
+    chain), and its part of its chord, however the job ended so (queued, running, or
+    following a dedup holder, which never ran and no worker counts). A caller's
+    ``AsyncResult.get()`` raises instead of waiting, and the chord's counter is full, so its
+    body fails with ``ChordError``. Idempotent: Celery counts a task id in a chord once.
+    A job of ``submit()`` has no Celery caller: nothing is written."""
+    try:
+        with reading(connections.engine) as conn:
+            row: s.Row | None = conn.execute(select(jobs).where(jobs.c.id == job_id)).mappings().one_or_none()
+        if row is None or row["status"] not in (s.CANCELLED, s.EXPIRED) or not s.wants_celery_result(row):
+            return
+        options = row["options"] or {}
+        task_id = row["origin_task_id"] or row["id"]
+        member = bool(options.get("chord")) and not options.get("chain")
+        request = Context(
+            # A chord counts a member under its delivery's id, as Flow.count_in_chord does.
+            id=row["celery_task_id"] or task_id,
+            chain=options.get("chain"),
+            chord=options.get("chord") if member else None,
+            group=options.get("group_id"),
+            group_index=options.get("group_index"),
+            root_id=options.get("root_id"),
+        )
+        connections.app.backend.mark_as_failure(
+            task_id,
+            TaskRevokedError(str(row["status"])),
+            request=request,
+            call_errbacks=False,
+            state=states.REVOKED,
+        )
+    except Exception:  # the job's own state is in Postgres; only a Celery caller waits on this
+        log.warning("could not report job %s as revoked to the result backend", job_id, exc_info=True)
+
+
+__all__ = ["CANCEL", "PREEMPT", "Stops", "report_revoked"]

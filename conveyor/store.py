@@ -121,11 +121,19 @@ class JobStore(Claims):
     """SQL for the job lifecycle; every method takes the caller's connection."""
 
     def __init__(
-        self, *, lease_timeout: float, max_requeues: int = 20, detect_local_dead_owners: bool = True
+        self,
+        *,
+        lease_timeout: float,
+        max_requeues: int = 20,
+        detect_local_dead_owners: bool = True,
+        requeue_backoff: float = 0.0,
+        requeue_backoff_cap: float = 0.0,
     ) -> None:
         self.lease_timeout = lease_timeout
         self.max_requeues = max_requeues
         self.detect_local_dead_owners = detect_local_dead_owners
+        self.requeue_backoff = requeue_backoff
+        self.requeue_backoff_cap = requeue_backoff_cap
 
     # -- writes -------------------------------------------------------------------------
 
@@ -284,18 +292,15 @@ class JobStore(Claims):
     def mark_for_publish(self, conn: Connection, job: Row, *, epoch: str | None) -> str | None:
         """CAS a still-claimable job to "published now" with a fresh task id (returned).
 
-        None when the job moved on (claimed, cancelled) since it was read.
+        None when the job moved on (claimed, cancelled) since it was read, or was read
+        unpublished and someone (the submitter after its caller's commit) published it since.
         """
         task_id = str(uuid.uuid4())
-        res = conn.execute(
-            update(jobs)
-            .where(
-                jobs.c.id == job["id"],
-                jobs.c.status.in_(s.CLAIMABLE),
-                jobs.c.attempts == job["attempts"],
-            )
-            .values(celery_task_id=task_id, broker_epoch=epoch, published_at=db_now())
-        )
+        cas = [jobs.c.id == job["id"], jobs.c.status.in_(s.CLAIMABLE), jobs.c.attempts == job["attempts"]]
+        if job.get("published_at") is None:
+            cas.append(jobs.c.published_at.is_(None))
+        values = {"celery_task_id": task_id, "broker_epoch": epoch, "published_at": db_now()}
+        res = conn.execute(update(jobs).where(*cas).values(**values))
         return task_id if res.rowcount == 1 else None
 
     # -- claim --------------------------------------------------------------------------

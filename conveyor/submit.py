@@ -21,7 +21,7 @@ from celery import Task
 from kombu.entity import Queue
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
-from sqlalchemy import Connection, update
+from sqlalchemy import Connection
 from sqlalchemy import event as sa_event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -32,7 +32,6 @@ from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, 
 from conveyor.connections import Connections
 from conveyor.db import schema as s
 from conveyor.db.namespace import use_schema
-from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
 from conveyor.enlist import Enlistment
 from conveyor.errors import ConfigurationError, PayloadInvalid, SubmitFailed, describe, is_connection_loss
@@ -49,6 +48,7 @@ from conveyor.store import JobStore, NewJob
 log = logging.getLogger("conveyor.submit")
 
 PENDING_KEY = "conveyor_pending_publish"
+Pending = tuple[Any, Callable[[], None], str, str]  # (its session transaction, fn, job id, stage)
 
 
 class Submitter:
@@ -301,8 +301,10 @@ class Submitter:
         try:
             if session is not None:
                 # The caller's transaction: its framework commits or rolls back, never us.
+                # Recorded unpublished: marked published after the commit, by the hook that
+                # publishes it or, should that never run, by the relay's next pass.
                 conn = use_schema(session.connection(), connections.settings.db_schema)
-                job_id, created = recorder.record(conn, new, plan, now, epoch)
+                job_id, created = recorder.record(conn, new, plan, now, None)
             elif plan is None and (lane := connections.lane) is not None:
                 # The common submit is one statement (job row + outbox event): no transaction.
                 inserted = recorder.insert_on_lane(lane, new, epoch=epoch)
@@ -326,12 +328,31 @@ class Submitter:
             raise _submit_failed(new.stage, exc) from exc
 
         spec = self.stages.get(new.stage)
+        joined = session is not None
 
         def after_commit() -> None:
             if created and new.status == s.WAITING_DEDUP:
                 assert new.follows is not None
                 self.settle.resolve(new.follows)  # the holder may have ended already
                 return
+            publish = new.due_now and epoch is not None
+            if created and joined:
+                if fast.down:
+                    return  # the relay publishes it; the cache and preemption can wait
+                # A savepoint the session never saw (raw SQL) may have taken the row away
+                # before the commit: only a row that is there is published or cached.
+                kept = recorder.mark_committed(new, epoch=epoch if publish else None)
+                if not kept:
+                    if kept is False:
+                        log.warning(
+                            "job %s (%s) is not in Conveyor's database after its session's commit: "
+                            "not published, and no dedup holder. A savepoint the session did not see "
+                            "(raw SQL ROLLBACK TO SAVEPOINT) took it, or the session writes to "
+                            "another database than Conveyor's",
+                            new.id, new.stage,
+                        )  # fmt: skip
+                    return
+                publish = new.published_epoch is not None  # else the relay published it
             if created and plan is not None and plan.dedup.mode != "debounce":
                 # The cache is only a fast path; Postgres stays right without it.
                 fast.attempt(
@@ -345,7 +366,7 @@ class Submitter:
                     self.stops.preempt_holder(new.id, spec, new.payload)
                 except Exception:  # the claim asks again
                     log.warning("submit-time preemption request for %s failed", new.id, exc_info=True)
-            if created and new.due_now and epoch is not None:
+            if created and publish:
                 recorder.publish_new(new, fast=True)
 
         if session is None:
@@ -353,7 +374,7 @@ class Submitter:
         elif isinstance(session, Enlistment):
             session.after_commit(after_commit, new.id)
         else:
-            _after_commit(session, after_commit, new.id)
+            _after_commit(session, after_commit, new.id, new.stage)
         following = created and new.status == s.WAITING_DEDUP
         handle = self.handle(
             job_id,
@@ -390,19 +411,20 @@ def resolved(session: Session | scoped_session[Any]) -> Session:
     return session() if isinstance(session, scoped_session) else session
 
 
-def _after_commit(session: Session, fn: Callable[[], None], job_id: str) -> None:
+def _after_commit(session: Session, fn: Callable[[], None], job_id: str, stage: str) -> None:
     """Run ``fn`` once ``session``'s outermost transaction commits.
 
     Dropped if the transaction it was registered in rolls back, or any savepoint around
     it does, or the session is closed first; a savepoint rolled back *beside* it (before
-    or after) leaves it alone. The pending calls live in ``session.info``; the listeners
-    that run them are installed once per process on :class:`Session` (so on every
+    or after) leaves it alone; the outermost one ending uncommitted logs one warning naming
+    the jobs (``job_id`` of ``stage``...). The pending calls live in ``session.info``; the
+    listeners that run them are installed once per process on :class:`Session` (so on every
     subclass and ``sessionmaker``), never per session: a long-lived process that
     submits in every request keeps the same listeners.
     """
     _install_listeners()
     current = session.get_nested_transaction() or session.get_transaction()
-    session.info.setdefault(PENDING_KEY, []).append((current, fn, job_id))
+    session.info.setdefault(PENDING_KEY, []).append((current, fn, job_id, stage))
 
 
 _install_lock = threading.Lock()
@@ -424,23 +446,17 @@ def _install_listeners() -> None:
 def _on_commit(session: Session) -> None:
     if session.get_nested_transaction() is not None:
         return  # a savepoint was released: its work commits (or not) with the outer one
-    todo: list[tuple[Any, Callable[[], None], str]] = session.info.pop(PENDING_KEY, None) or []
+    todo: list[Pending] = session.info.pop(PENDING_KEY, None) or []
     if not todo:
         return
     bind = session.bind
     if isinstance(bind, Connection) and bind.in_transaction():
         # The session joined a transaction it does not own (a test fixture's, a
         # framework's): its commit only released a savepoint, and Core has no
-        # after-commit hook. Leave the jobs to the relay, inside that transaction:
-        # published within a relay interval if it commits, never if it rolls back.
-        ids = [job_id for _, _, job_id in todo]
-        bind.execute(
-            update(jobs)
-            .where(jobs.c.id.in_(ids), jobs.c.status == s.QUEUED)
-            .values(published_at=None, broker_epoch=None)
-        )
+        # after-commit hook. The jobs, recorded unpublished, are left to the relay:
+        # published within a relay interval if that transaction commits, never if not.
         return
-    for _, fn, _ in todo:
+    for _, fn, _, _ in todo:
         fn()
 
 
@@ -451,14 +467,24 @@ def _on_soft_rollback(session: Session, ended: Any) -> None:
 def _on_transaction_end(session: Session, ended: Any) -> None:
     if ended.parent is None:
         # The outermost transaction ended without a commit that ran them (a close()
-        # without rollback() fires no rollback event): its jobs' rows are gone.
-        _drop_within(session, ended)
+        # without rollback() fires no rollback event): its jobs' rows are gone. A rollback
+        # ends it here too, before its after_soft_rollback: one warning either way.
+        dropped = _drop_within(session, ended)
+        if dropped:
+            log.warning(
+                "a session's transaction ended without a commit (rolled back or closed): %d "
+                "job(s) submitted in it were not committed and will not run: %s",
+                len(dropped), ", ".join(f"{job_id} ({stage})" for _, _, job_id, stage in dropped),
+            )  # fmt: skip
 
 
-def _drop_within(session: Session, ended: Any) -> None:
-    pending = session.info.get(PENDING_KEY)
-    if pending:
-        session.info[PENDING_KEY] = [entry for entry in pending if not _within(entry[0], ended)]
+def _drop_within(session: Session, ended: Any) -> list[Pending]:
+    """Forget the pending publishes of ``ended`` and its savepoints; the ones forgotten."""
+    pending: list[Pending] | None = session.info.get(PENDING_KEY)
+    if not pending:
+        return []
+    session.info[PENDING_KEY] = [entry for entry in pending if not _within(entry[0], ended)]
+    return [entry for entry in pending if _within(entry[0], ended)]
 
 
 def _within(tx: Any, ancestor: Any) -> bool:

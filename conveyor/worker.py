@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -22,11 +23,13 @@ from conveyor.errors import ConfigurationError
 from conveyor.heartbeat import INTERRUPT_SIGNAL, Heartbeat
 from conveyor.liveness import Deliveries
 from conveyor.logs import configure_logging
+from conveyor.loop_probe import ticker
 from conveyor.relay import Relay
 from conveyor.runfile import owner_id
 from conveyor.settings import ConveyorSettings
 from conveyor.shutdown import request_job_id
 from conveyor.stage import StageSpec
+from conveyor.startup import database_answers, database_at, quick_redis, redis_at, redis_outage, wait_for
 
 log = logging.getLogger("conveyor.worker")
 
@@ -82,7 +85,8 @@ def check_redis_policy(redis: Redis) -> None:
 
 
 class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Checks Redis at start and runs the relay/reconciler thread in the main process."""
+    """Waits at start for Redis and Postgres (:mod:`conveyor.startup`), refuses a Redis that
+    may evict keys, and runs the relay/reconciler thread in the main process."""
 
     requires = {"celery.worker.components:Pool"}
 
@@ -99,10 +103,33 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, worker: Any) -> None:
         host = self.host
-        check_redis_policy(host.connections.redis)
+        settings, connections = host.settings, host.connections
+        tick = ticker(worker.app)
+
+        def each_second(status: str) -> None:
+            if tick is not None:
+                with contextlib.suppress(OSError):
+                    tick(status)
+            worker_state.maybe_shutdown()  # a SIGTERM while waiting ends the wait
+
+        def redis_policy() -> None:
+            url = settings.redis_url
+            client = quick_redis(url) if url else connections.redis  # unset: NotRunning
+            try:
+                check_redis_policy(client)
+            finally:
+                client.close()
+
+        # An outage at start is waited for; a Redis that may evict keys is still refused.
+        wait_for(redis_at(settings.redis_url), redis_policy, outage=redis_outage, each_second=each_second)
         # Callers that submit by name validate against what the workers run.
         host.app.loader.import_default_modules()
-        registry.refresh(host.connections.engine, host.stages.values())
+        wait_for(
+            database_at(settings.database_url),
+            lambda: database_answers(connections.engine),
+            each_second=each_second,
+        )
+        registry.refresh(connections.engine, host.stages.values())
         # A stray interrupt must never end the worker itself (SIGUSR2's default action).
         host.heartbeat.install_interrupt_handler()
         try:
@@ -112,7 +139,10 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 "broker epoch not read at start (%r): the relay reads it when the broker answers", exc
             )
         deliveries = host.deliveries
-        deliveries.beat(self.worker_id)
+        try:
+            deliveries.beat(self.worker_id)
+        except Exception as exc:  # Redis gone again since it answered: the beat thread retries
+            log.warning("first liveness beat not written (%r); the beat thread retries", exc)
         deliveries.start(self.worker_id)
         worker_id = self.worker_id
 

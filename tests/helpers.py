@@ -156,12 +156,12 @@ def scratch_redis() -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def bound_to(platform: Any, database_url: str) -> Iterator[Any]:
-    """The test platform on another database (same Redis), then back."""
-    redis_url, before = platform.settings.redis_url, platform.settings.database_url
+def bound_to(platform: Any, database_url: str, *, redis_url: str | None = None) -> Iterator[Any]:
+    """The test platform on another database (and ``redis_url``, else the same Redis), then back."""
+    redis_before, before = platform.settings.redis_url, platform.settings.database_url
     broker_url = platform.settings.broker_url
-    platform.bind(redis_url=redis_url, database_url=database_url, broker_url=broker_url)
+    platform.bind(redis_url=redis_url or redis_before, database_url=database_url, broker_url=broker_url)
     try:
         yield platform
     finally:
-        platform.bind(redis_url=redis_url, database_url=before, broker_url=broker_url)
+        platform.bind(redis_url=redis_before, database_url=before, broker_url=broker_url)

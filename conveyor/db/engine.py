@@ -6,12 +6,14 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
-from sqlalchemy import Connection, Engine, create_engine, make_url
-from sqlalchemy.pool import NullPool
+from sqlalchemy import Connection, Engine, create_engine, event, make_url
+from sqlalchemy.engine import ExceptionContext
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.pool import ConnectionPoolEntry, NullPool, QueuePool
 
 from conveyor.db.dialect import READ_ONLY, WRITE_WAIT, LockingConnection, configure_engine
 from conveyor.db.namespace import SCHEMA, checked_schema, namespace_dialect, translate_map
+from conveyor.errors import mark_own
 
 
 def normalize_url(url: str) -> str:
@@ -53,24 +55,36 @@ def make_engine(
     """Create an engine with bounded pools and dialect setup applied. A Postgres that
     accepts connections and never answers fails a connect after ``connect_timeout`` s, and
     one that goes silent later is found by ``keepalives`` (default :func:`keepalive_args`).
-    Conveyor's tables are in ``schema`` (on SQLite: prefixed with it)."""
+    Conveyor's tables are in ``schema`` (on SQLite: prefixed with it).
+
+    The engine is Conveyor's own: every error it (or its pool) raises is marked so
+    (:func:`conveyor.errors.is_own_outage`), and only such a lost connection requeues a
+    running job uncounted; a stage body's own engine is made elsewhere."""
     url = normalize_url(url)
     schema = checked_schema(schema)
     if url.startswith("sqlite"):
         # One connection per checkout: SQLite connections are cheap and must not cross threads.
         engine = create_engine(
             url,
+            hide_parameters=True,
             poolclass=NullPool,
             connect_args={"check_same_thread": False, "factory": LockingConnection, "timeout": 30},
         )
     else:
         pooling: dict[str, Any] = (
-            {"pool_size": pool_size, "max_overflow": 0, "pool_timeout": 30, "pool_recycle": 1800}
+            {
+                "poolclass": _OwnQueuePool,
+                "pool_size": pool_size,
+                "max_overflow": 0,
+                "pool_timeout": 30,
+                "pool_recycle": 1800,
+            }
             if pool_size > 0
             else {"poolclass": NullPool}  # nothing left open between uses (tests)
         )
         engine = create_engine(
             url,
+            hide_parameters=True,
             pool_pre_ping=False,
             **pooling,
             connect_args={
@@ -84,7 +98,30 @@ def make_engine(
         )
     namespace_dialect(engine.dialect, schema)
     configure_engine(engine)
+    event.listen(engine, "handle_error", _mark_own)
     return engine
+
+
+def _mark_own(context: ExceptionContext) -> None:
+    # Every DBAPI error of this engine, connects included (SQLAlchemy 2 calls the hook for
+    # them too); whether it is a lost connection is judged from the error itself.
+    mark_own(context.original_exception)
+    if context.sqlalchemy_exception is not None:
+        mark_own(context.sqlalchemy_exception)
+
+
+class _OwnQueuePool(QueuePool):
+    """The pool of Conveyor's own engine: its checkout timeout is marked as ours too."""
+
+    # SQLAlchemy names a pool's logger after its class: keep QueuePool's (and its level).
+    _sqla_logger_namespace = "sqlalchemy.pool.impl.QueuePool"
+
+    def _do_get(self) -> ConnectionPoolEntry:
+        try:
+            return super()._do_get()
+        except PoolTimeout as exc:
+            mark_own(exc)
+            raise
 
 
 def _options(url: str, schema: str) -> str:

@@ -10,7 +10,8 @@ and rows named once per statement; other threads, which may be short-lived (a we
 server's request threads), take a pooled connection per call and give it back.
 
 Errors are classified as SQLAlchemy's (:func:`conveyor.errors.is_connection_loss` sees
-its ``DBAPIError``), and a lost connection is invalidated and replaced on the next call.
+its ``DBAPIError``, marked as Conveyor's own as the engine's are), and a lost connection
+is invalidated and replaced on the next call.
 A connection idle for ``PING_AFTER`` seconds is pinged first, as a pool's pre-ping would,
 so a server that dropped it meanwhile costs a reconnect, not a failed claim. With
 ``db_pool_size=0`` (no pooling) nothing is kept. Measured by ``bench/throughput.py``
@@ -34,6 +35,7 @@ from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
 from conveyor.db.dialect import submit_sql
+from conveyor.errors import mark_own
 
 PING_AFTER = 30.0
 
@@ -118,8 +120,10 @@ class Lane:
                 self._local.fairy = None
                 fairy.invalidate(exc)
                 fairy.close()
-            raise sqlalchemy.exc.DBAPIError.instance(
-                sql, params, exc, psycopg.Error, connection_invalidated=bool(lost)
+            raise mark_own(
+                sqlalchemy.exc.DBAPIError.instance(
+                    sql, params, exc, psycopg.Error, connection_invalidated=bool(lost)
+                )
             ) from exc
         finally:
             self._local.used = time.monotonic()
@@ -143,8 +147,10 @@ class Lane:
             try:
                 fairy = self.engine.raw_connection()
             except psycopg.Error as exc:  # raw_connection() leaves connect errors unwrapped
-                raise sqlalchemy.exc.DBAPIError.instance(
-                    None, None, exc, psycopg.Error, connection_invalidated=True
+                raise mark_own(
+                    sqlalchemy.exc.DBAPIError.instance(
+                        None, None, exc, psycopg.Error, connection_invalidated=True
+                    )
                 ) from exc
             try:
                 fairy.driver_connection.autocommit = True  # type: ignore[union-attr]

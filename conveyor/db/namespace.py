@@ -10,16 +10,15 @@ the identifier preparer installed by :func:`namespace_dialect` renders ``conveyo
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from sqlalchemy import Connection, Dialect, Table, inspect, text
 from sqlalchemy.dialects.sqlite.base import SQLiteIdentifierPreparer
 from sqlalchemy.sql.elements import quoted_name
 
-SCHEMA = "conveyor"  # the placeholder every table is declared in, and the default schema
+from conveyor.db.names import SCHEMA, checked_schema, sqlite_prefix
+
 TRANSLATE = "schema_translate_map"
-_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 class OwnName(quoted_name):
@@ -39,18 +38,6 @@ class OwnName(quoted_name):
 def own(name: str) -> OwnName:
     """The name of one of Conveyor's (or a deployment's) tables: ``Table(own("jobs"), …)``."""
     return OwnName(name)
-
-
-def checked_schema(name: str) -> str:
-    """``name`` if it is a plain lower-case identifier (it is spliced into SQL)."""
-    if not _IDENTIFIER.fullmatch(name):
-        raise ValueError(f"database schema {name!r} must be a lower-case identifier (letters, digits, _)")
-    return name
-
-
-def sqlite_prefix(schema: str) -> str:
-    """The table prefix standing in for ``schema`` on SQLite: ``conveyor`` → ``conveyor_``."""
-    return f"{schema}_"
 
 
 class _PrefixingPreparer(SQLiteIdentifierPreparer):
@@ -123,3 +110,19 @@ def table_exists(conn: Connection, table: Table) -> bool:
         found = conn.execute(text("SELECT to_regclass(:n) IS NOT NULL"), {"n": f'"{schema}"."{name}"'})
         return bool(found.scalar_one())
     return inspect(conn).has_table(name)
+
+
+__all__ = [
+    "SCHEMA",
+    "TRANSLATE",
+    "OwnName",
+    "checked_schema",
+    "namespace_dialect",
+    "own",
+    "physical_name",
+    "schema_of",
+    "sqlite_prefix",
+    "table_exists",
+    "translate_map",
+    "use_schema",
+]

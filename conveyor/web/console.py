@@ -273,7 +273,7 @@ def job_page(
 
 REFUSALS = {
     "not-retryable": "Not retried: the entry is retried already, or its job is no longer dead.",
-    "retry-refused": "Not retried: another live job holds its dedup id; retry once that one has finished.",
+    "retry-refused": "Not retried: another job holds its dedup id (a submit would return it).",
     "not-found": "Not retried: there is no such entry (purged?).",
 }
 

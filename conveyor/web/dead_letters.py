@@ -248,7 +248,7 @@ def show(request: Request, caller: Admin, entry_id: EntryId) -> DeadLetterDetail
     summary="Retry every open entry matching a filter",
     description="Scope `admin`. An empty filter is refused (422) unless `all` is true. Entries of "
     "stages with an `on_retry` hook are asked of a worker (listed in `requested`); those whose dedup "
-    "id another live job holds are refused and stay open (listed in `refused`).",
+    "id a submit would find held by another job are refused and stay open (listed in `refused`).",
     responses={200: {"links": job_links("/job_ids/0", "GetJob")}, **responses(*AUTH, 422, 503)},
 )
 def retry_all(request: Request, caller: Admin, body: RetryAllRequest) -> Retried:
@@ -295,7 +295,8 @@ def purge(request: Request, caller: Admin, body: PurgeRequest) -> Purged:
     "closes the entry (200). When its stage has an `on_retry` hook (deployment code), the retry is "
     "asked of a worker instead (202, `requested`), which performs it on its next reconciling pass "
     "or records why not in the entry's `retry_refused`. 409 when the entry is already retried or "
-    "its job is not dead, or when another live job holds its dedup id.",
+    "its job is not dead, or when a submit of the job would now be deduplicated into another job "
+    "(the detail names it).",
     responses={
         200: {"links": {**job_links("/job_id", "GetJob"), **_entry_links("/entry_id", "GetDeadLetter")}},
         202: {

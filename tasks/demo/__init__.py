@@ -7,9 +7,13 @@ import signal
 import time
 from typing import Any, Literal
 
+import psycopg
+import sqlalchemy as sa
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.signals import task_success
 from pydantic import BaseModel, ConfigDict
+from redis import Redis
+from sqlalchemy.pool import NullPool
 
 from conveyor.context import JobContext
 from conveyor.dedup import Dedup
@@ -48,6 +52,7 @@ class Effect(BaseModel):
     kill_worker_after_commit: bool = False
     ignore_soft_limit: bool = False
     write_first: bool = False  # write the effect row before sleeping (holds SQLite's writer)
+    checkpoint: bool = False  # checkpoint once past the barrier (a cancel there stops the job)
 
 
 class Keyed(Effect):
@@ -128,6 +133,8 @@ def effect(ctx: JobContext, p: Effect) -> dict[str, Any]:
         r = current_platform().redis
         r.rpush(f"{p.barrier}:started", f"{ctx.job_id}:{ctx.attempt}:{os.getpid()}")
         r.blpop([f"{p.barrier}:go"], timeout=p.barrier_timeout)
+    if p.checkpoint:
+        ctx.checkpoint()
     if ctx.attempt <= p.crash_until_attempt:
         os.kill(os.getpid(), signal.SIGKILL)
     if p.write_first:
@@ -176,6 +183,9 @@ class Sync(BaseModel):
     every: int = 10
     per_record: float = 0.0
     ignore_checkpoints_on_first_attempt: bool = False
+    # The stopped body's cleanup write takes this long, after a `<note>:cleaning:<attempt>`
+    # marker: tests deliver a late interrupt into it.
+    cleanup_hold: float = 0.0
 
 
 class Write(BaseModel):
@@ -217,12 +227,22 @@ def sync(ctx: JobContext, p: Sync) -> dict[str, Any]:
         finished = True
     finally:
         if not finished:
+            engine = current_platform().engine
+            if p.cleanup_hold:
+                mark(
+                    engine,
+                    job_id=ctx.job_id,
+                    stage=ctx.stage,
+                    attempt=ctx.attempt,
+                    note=f"{p.note}:cleaning:{ctx.attempt}",
+                )
             mark(
-                current_platform().engine,
+                engine,
                 job_id=ctx.job_id,
                 stage=ctx.stage,
                 attempt=ctx.attempt,
                 note=f"{p.note}:cleanup:{ctx.attempt}",
+                hold=p.cleanup_hold,
             )
     record_effect(
         ctx.connection, job_id=ctx.job_id, stage=ctx.stage, attempt=ctx.attempt, note=f"{p.note}:done"
@@ -253,8 +273,12 @@ def write(ctx: JobContext, p: Write) -> dict[str, str]:
 class Query(BaseModel):
     """A database failure inside a body, for the error-policy tests (``kind`` picks it)."""
 
-    kind: Literal["statement_timeout", "syntax", "data", "disconnect", "ok"]
+    kind: Literal[
+        "statement_timeout", "syntax", "data", "disconnect", "nul", "params", "unique", "ok",
+        "downstream_sqlalchemy", "downstream_psycopg", "downstream_redis",
+    ]  # fmt: skip
     fail_until_attempt: int = 99
+    url: str = ""  # the body's own server of the downstream_* kinds
 
 
 QUERIES = {
@@ -262,7 +286,28 @@ QUERIES = {
     "syntax": "SELEC 1",
     "data": "SELECT CAST('not a number' AS integer)",
     "disconnect": "SELECT pg_terminate_backend(pg_backend_pid())",
+    "unique": "DO $$ BEGIN RAISE unique_violation; END $$",
 }
+# Statements psycopg itself refuses before sending them (sqlstate None).
+CLIENT_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "nul": ("SELECT %s::text", ("a\x00b",)),
+    "params": ("SELECT %s", (1, 2)),
+}
+
+
+def _downstream(kind: str, url: str) -> None:
+    """Connect to a server of the body's own (not Conveyor's), as a stage would."""
+    if kind == "downstream_sqlalchemy":
+        engine = sa.create_engine(url, poolclass=NullPool)
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql("SELECT 1")
+        finally:
+            engine.dispose()
+    elif kind == "downstream_psycopg":
+        psycopg.connect(url, connect_timeout=2).close()
+    else:
+        Redis.from_url(url, socket_connect_timeout=2).ping()
 
 
 @stage("conveyor.demo.query", payload=Query, queue="demo", retry=FAST_RETRY, max_attempts=2)
@@ -270,5 +315,10 @@ def query(ctx: JobContext, p: Query) -> dict[str, Any]:
     """Run a query that fails the way ``kind`` says until ``fail_until_attempt``."""
     counted = ctx.attempt
     if p.kind != "ok" and counted <= p.fail_until_attempt:
-        ctx.connection.exec_driver_sql(QUERIES[p.kind])
+        if p.kind.startswith("downstream_"):
+            _downstream(p.kind, p.url)
+        elif p.kind in CLIENT_REFUSED:
+            ctx.connection.exec_driver_sql(*CLIENT_REFUSED[p.kind])
+        else:
+            ctx.connection.exec_driver_sql(QUERIES[p.kind])
     return {"attempt": counted}

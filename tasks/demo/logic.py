@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import Connection, Engine, insert, select
+from sqlalchemy import Connection, Engine, func, insert, select
 
 from conveyor.db.dialect import db_now
 from tasks.demo.models import effects
@@ -15,9 +15,12 @@ def record_effect(conn: Connection, *, job_id: str, stage: str, attempt: int, no
     )
 
 
-def mark(engine: Engine, *, job_id: str, stage: str, attempt: int, note: str) -> None:
-    """A marker row committed on its own, visible at once (tests order events by it)."""
+def mark(engine: Engine, *, job_id: str, stage: str, attempt: int, note: str, hold: float = 0.0) -> None:
+    """A marker row committed on its own, visible at once (tests order events by it); with
+    ``hold``, its transaction first spends that many seconds in the database (Postgres)."""
     with engine.begin() as conn:
+        if hold:
+            conn.execute(select(func.pg_sleep(hold)))
         record_effect(conn, job_id=job_id, stage=stage, attempt=attempt, note=note)
 
 

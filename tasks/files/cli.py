@@ -13,21 +13,24 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-from sqlalchemy import func, select
 
 from conveyor.cli import console, err, json_option, load_platform, run_command, wait_option
 from conveyor.cli_output import print_json, print_lines, print_table, records, retrying, wait_until_writable
-from conveyor.db.engine import reading
-from tasks.files.models import CHUNKING, EMBEDDING, EXTRACTING, FAILED, READY, TERMINAL, files
 
+# The models, SQLAlchemy and the pipeline are imported inside the commands: `conveyor
+# --help` imports this module to list the group.
 app = typer.Typer(help="The files pipeline: extract → chunk → embed, batch completion.", no_args_is_help=True)
 
-STAGES = [
-    ("extracted", (CHUNKING, EMBEDDING, READY)),
-    ("chunked", (EMBEDDING, READY)),
-    ("embedded", (READY,)),
-]
+
+def _stages() -> list[tuple[str, tuple[str, ...]]]:
+    """Each progress bar of ``submit``, and the file statuses that count as past it."""
+    from tasks.files.models import CHUNKING, EMBEDDING, READY
+
+    return [
+        ("extracted", (CHUNKING, EMBEDDING, READY)),
+        ("chunked", (EMBEDDING, READY)),
+        ("embedded", (READY,)),
+    ]
 
 
 def _owner_option() -> Any:
@@ -40,6 +43,11 @@ def _owner(user: str | None) -> dict[str, Any]:
 
 
 def _counts(platform: Any, batch_id: str) -> dict[str, int]:
+    from sqlalchemy import func, select
+
+    from conveyor.db.engine import reading
+    from tasks.files.models import files
+
     with reading(platform.engine) as conn:
         rows = conn.execute(
             select(files.c.status, func.count()).where(files.c.batch_id == batch_id).group_by(files.c.status)
@@ -70,8 +78,12 @@ def submit(
     """
 
     def main() -> int:
-        from pipelines.files import Upload, batch_status, process_batch
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+        from pipelines.files import Upload, batch_status, process_batch
+        from tasks.files.models import FAILED, TERMINAL
+
+        stages = _stages()
         platform = load_platform()
         items = [Upload.from_path(p) for p in paths]
         wait_until_writable(platform.engine)
@@ -82,11 +94,11 @@ def submit(
         with Progress(
             TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), console=console
         ) as bar:
-            tasks = {name: bar.add_task(name, total=total) for name, _ in STAGES}
+            tasks = {name: bar.add_task(name, total=total) for name, _ in stages}
             failed_task = bar.add_task("failed", total=total)
             while True:
                 counts = retrying(lambda: _counts(platform, batch_id))
-                for name, states in STAGES:
+                for name, states in stages:
                     bar.update(tasks[name], completed=sum(counts.get(s, 0) for s in states))
                 bar.update(failed_task, completed=counts.get(FAILED, 0))
                 if sum(counts.get(s, 0) for s in TERMINAL) >= total or time.monotonic() > deadline:
@@ -246,4 +258,4 @@ def reembed(
     run_command(main, wait=wait)
 
 
-__all__ = ["EXTRACTING", "app"]
+__all__ = ["app"]

@@ -171,6 +171,9 @@ def test_workers_probe_their_consumer_and_outlast_the_bounded_shutdown() -> None
             assert command[:3] == ["conveyor", "probe", "worker"], (name, probe)
             assert_cli_accepts(command)
             assert container[probe]["timeoutSeconds"] >= 5, "a probe is a Python process"
+            # A failed startup or liveness probe restarts the pod: they follow the worker's own
+            # loop (--live), never the broker; readiness may follow the broker.
+            assert ("--live" in command) == (probe != "readinessProbe"), (name, probe)
         assert "replicas" not in deployment["spec"], f"{name}: KEDA owns the replicas"
 
 

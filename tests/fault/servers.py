@@ -38,13 +38,16 @@ class PrivateRedis:
     # Another address (a bridge's, for network namespaces) turns protected mode off: with
     # no password, Redis would refuse every client that is not on loopback.
     host: str = "127.0.0.1"
+    password: str | None = None  # ``requirepass``, and in the URL
+    policy: str = "noeviction"  # ``maxmemory-policy`` (workers refuse any other)
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host=self.host, port=self.port, socket_timeout=5)
+        return redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=5)
 
     def start(self) -> None:
         persistence = ["--appendonly", "no"]
@@ -63,7 +66,8 @@ class PrivateRedis:
                 "",
                 *persistence,
                 "--maxmemory-policy",
-                "noeviction",
+                self.policy,
+                *(["--requirepass", self.password] if self.password else []),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

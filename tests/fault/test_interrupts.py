@@ -13,6 +13,7 @@ from sqlalchemy import select, update
 from conveyor.db import schema as s
 from conveyor.db.schema import leases
 from conveyor.heartbeat import INTERRUPT_SIGNAL
+from conveyor.stops import PREEMPT
 from tests.fault.conftest import Spawn
 from tests.fault.test_preemption import _markers
 from tests.helpers import dead_letter_for, effect_count, eventually, job_row
@@ -101,3 +102,41 @@ def test_interrupt_before_the_request_is_known_still_stops_the_holder(
     assert "job.dead" not in [e.topic for e in holder.events()[0]]
     row = holder.row()
     assert row["attempts"] - row["uncounted"] == 1
+
+
+def test_a_later_interrupt_does_not_cut_the_stopping_body_short(
+    platform: Any, spawn: Spawn, tag: str
+) -> None:
+    """The holder stopped at its checkpoint and its ``finally`` is writing to the database
+    when an interrupt for the same attempt arrives (the escalation, or a SIGUSR2 left
+    pending while the child was frozen): it is dropped, the write runs to its end and the
+    job is filed preempted, not requeued as an infrastructure failure."""
+    spawn(env={"CONVEYOR_PREEMPT_GRACE": "30"})  # no escalation of the platform's own here
+    holder = platform.submit(
+        "conveyor.demo.sync",
+        {"user": tag, "note": tag, "records": 100_000, "per_record": 0.001, "cleanup_hold": 2},
+    )
+    eventually(lambda: f"{tag}:start:1" in _markers(platform, tag), timeout=60)
+    with platform.engine.begin() as conn:
+        lease = conn.execute(select(leases).where(leases.c.key == f"user:{tag}")).mappings().one()
+        assert platform.stops.request_preemption(conn, lease, by_job=f"{tag}-preemptor", priority=10)
+    platform.stops.flag(holder.id, 1, PREEMPT, None)
+    eventually(lambda: f"{tag}:cleaning:1" in _markers(platform, tag), timeout=30)
+    row = job_row(platform, holder.id)
+    arguments = {"job_id": holder.id, "attempt": 1, "task_id": row["celery_task_id"]}
+    replies = platform.app.control.broadcast(
+        "conveyor_interrupt", arguments=arguments, reply=True, timeout=10, limit=1
+    )
+    assert any("signalled" in str(r) for r in replies), replies
+    topics = eventually(
+        lambda: (
+            (t := [e.topic for e in holder.events()[0]])
+            and ("job.preempted" in t or "job.requeued" in t)
+            and t
+        ),
+        timeout=30,
+    )
+    assert "job.preempted" in topics and "job.requeued" not in topics, topics
+    assert f"{tag}:cleanup:1" in _markers(platform, tag)  # the cleanup write committed
+    # Attempt 1 uncounted (the relay may already have handed the job to a parked attempt 2).
+    assert holder.row()["uncounted"] == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,3 +88,49 @@ def test_job_terminated_by_its_own_worker_is_requeued_uncounted(
     topics = [e.topic for e in handle.events()[0]]
     assert "job.requeued" in topics and "job.retrying" not in topics and "job.stalled" not in topics
     assert effect_count(platform, note=tag) == 1
+
+
+def _requeued_for_shutdown(platform: Any, job_id: str) -> bool:
+    handle = platform.job(job_id)
+    row = handle.row()
+    reasons = [e.body.get("reason") for e in handle.events()[0] if e.topic == "job.requeued"]
+    return bool(row["status"] == s.QUEUED and row["uncounted"] == 1 and reasons == ["shutdown"])
+
+
+def test_sigterm_deadline_requeues_a_send_task_job_too(platform: Any, spawn: Spawn, tag: str) -> None:
+    """A job adopted from a plain Celery message (no job header) is requeued uncounted at
+    the deadline like a submitted one, not left running and killed."""
+    worker = spawn(env={"CONVEYOR_SOFT_SHUTDOWN_TIMEOUT": "2"})
+    submitted = platform.submit("conveyor.demo.effect", {"note": tag, "barrier": tag})
+    sent = platform.app.send_task(
+        "conveyor.demo.effect", kwargs={"note": f"{tag}-sent", "barrier": tag}, queue="demo"
+    )
+    assert {x.split(":")[0] for x in started(platform, tag, n=2)} == {submitted.id, sent.id}
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert _requeued_for_shutdown(platform, submitted.id)
+    assert _requeued_for_shutdown(platform, sent.id), job_row(platform, sent.id)
+
+
+def test_sigterm_to_the_process_group_keeps_the_grace(
+    platform: Any, spawn: Spawn, tag: str, tmp_path: Path
+) -> None:
+    """honcho and systemd signal every process of the worker's group: the pool children do
+    not die at once; a job that ends within the deadline finishes, the rest are requeued
+    uncounted at it, as with SIGTERM to the main process alone."""
+    worker = spawn(env={"CONVEYOR_SOFT_SHUTDOWN_TIMEOUT": "5"})
+    quick = platform.submit("conveyor.demo.effect", {"note": tag, "barrier": f"{tag}-q"})
+    stuck = platform.submit("conveyor.demo.effect", {"note": f"{tag}-s", "barrier": f"{tag}-s"})
+    started(platform, f"{tag}-q")
+    started(platform, f"{tag}-s")
+    sent = time.monotonic()
+    os.killpg(worker.pid, signal.SIGTERM)
+    # The main process took it as a warm shutdown (the children got theirs at the same time).
+    eventually(lambda: "Warm shutdown" in (tmp_path / "worker-0.log").read_text(), timeout=30)
+    open_barrier(platform, f"{tag}-q")
+    assert worker.wait(timeout=30) == 0
+    assert time.monotonic() - sent >= 3  # the deadline ended it, not the signal
+    assert quick.wait(10) == s.SUCCEEDED
+    assert quick.row()["attempts"] == 1 and quick.row()["uncounted"] == 0
+    assert effect_count(platform, note=tag) == 1
+    assert _requeued_for_shutdown(platform, stuck.id)

@@ -3,6 +3,7 @@ is not counted but bounded too, and a fenced-off attempt's late failure writes n
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -12,13 +13,15 @@ from typing import Any
 import pytest
 import redis
 import sqlalchemy as sa
-from sqlalchemy import update
+from sqlalchemy import select, update
+from sqlalchemy.pool import NullPool
 
 from conveyor.db import schema as s
-from conveyor.db.schema import jobs
-from conveyor.errors import is_connection_loss, is_permanent
+from conveyor.db.engine import make_engine
+from conveyor.db.schema import job_events, jobs
+from conveyor.errors import is_connection_loss, is_own_outage, is_permanent
 from conveyor.runfile import owner_id
-from conveyor.store import NewJob, counted_attempts
+from conveyor.store import ClaimOutcome, NewJob, counted_attempts
 from tests.helpers import dead_letter_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,6 +62,58 @@ def few_requeues(platform: Any) -> Iterator[int]:
     platform.store.max_requeues = before
 
 
+@pytest.mark.parametrize(
+    ("kind", "error", "first_line"),
+    [
+        ("nul", "DataError", "PostgreSQL text fields cannot contain NUL (0x00) bytes"),
+        ("params", "ProgrammingError", "the query has 1 placeholders but 2 parameters were passed"),
+        ("unique", "IntegrityError", "unique_violation"),
+    ],
+)
+def test_statement_errors_the_driver_raises_are_permanent(
+    platform: Any, worker: Any, few_requeues: int, kind: str, error: str, first_line: str
+) -> None:
+    """psycopg refuses a NUL byte or a wrong parameter count itself (sqlstate None): that
+    is the statement's error, not a lost connection; it dead-letters at once, naming it."""
+    handle = platform.submit("conveyor.demo.query", {"kind": kind})
+    assert handle.wait(60) == s.DEAD
+    row = handle.row()
+    assert row["attempts"] == 1 and row["uncounted"] == row["requeues"] == 0
+    letter = dead_letter_for(platform, handle.id)
+    assert letter["error_type"] == error
+    message = letter["message"]  # the driver's first line, never the statement
+    assert message.startswith("database error (") and first_line in message and "SELECT" not in message
+
+
+DOWN_POSTGRES = "postgresql://postgres@127.0.0.1:1/gone"
+
+
+@pytest.mark.parametrize(
+    ("kind", "url", "error"),
+    [
+        ("downstream_sqlalchemy", DOWN_POSTGRES.replace("://", "+psycopg://"), "OperationalError"),
+        ("downstream_psycopg", DOWN_POSTGRES, "OperationalError"),
+        ("downstream_redis", "redis://127.0.0.1:1/0", "ConnectionError"),
+    ],
+)
+def test_an_outage_of_the_bodys_own_server_counts_and_follows_the_schedule(
+    platform: Any, worker: Any, few_requeues: int, kind: str, url: str, error: str
+) -> None:
+    """A server the body itself connects to is down: the body's error, however it connects
+    (Conveyor's own Postgres and Redis answer meanwhile). Counted, retried on the stage's
+    Schedule (0.2 s first), never requeued uncounted."""
+    handle = platform.submit("conveyor.demo.query", {"kind": kind, "url": url})
+    assert handle.wait(60) == s.DEAD
+    row = handle.row()
+    assert counted_attempts(row) == row["attempts"] == 2 and row["uncounted"] == row["requeues"] == 0
+    events = handle.events()[0]
+    retrying = [e.body for e in events if e.topic == "job.retrying"]
+    assert [r["delay"] for r in retrying] == [0.2] and retrying[0]["error_type"] == error
+    assert "job.requeued" not in [e.topic for e in events]
+    letter = dead_letter_for(platform, handle.id)
+    assert letter["error_type"] == error and "gave up after 2 of 2 attempts" in letter["message"]
+
+
 def test_lost_connection_is_uncounted_but_bounded(platform: Any, worker: Any, few_requeues: int) -> None:
     handle = platform.submit("conveyor.demo.query", {"kind": "disconnect"})
     assert handle.wait(90) == s.DEAD
@@ -69,6 +124,63 @@ def test_lost_connection_is_uncounted_but_bounded(platform: Any, worker: Any, fe
     letter = dead_letter_for(platform, handle.id)
     assert letter["error_type"] == "RequeuesExhausted"
     assert "infrastructure kept failing" in letter["message"]
+
+
+@pytest.fixture
+def requeue_backoff(platform: Any) -> Iterator[None]:
+    store = platform.store
+    before = (store.requeue_backoff, store.requeue_backoff_cap)
+    store.requeue_backoff, store.requeue_backoff_cap = 0.2, 0.5
+    yield
+    store.requeue_backoff, store.requeue_backoff_cap = before
+
+
+def test_uncounted_requeues_back_off_growing_to_a_cap(
+    platform: Any, worker: Any, few_requeues: int, requeue_backoff: None
+) -> None:
+    """Each requeue after a lost connection of Conveyor's own database waits twice the
+    last (0.2, 0.4, then the 0.5 cap) in the job's ``run_at``: a flapping database cannot
+    burn CONVEYOR_MAX_REQUEUES in seconds."""
+    handle = platform.submit("conveyor.demo.query", {"kind": "disconnect"})
+    assert handle.wait(90) == s.DEAD
+    with platform.engine.connect() as conn:
+        requeued = conn.execute(
+            select(job_events.c.body, job_events.c.created_at)
+            .where(job_events.c.job_id == handle.id, job_events.c.topic == "job.requeued")
+            .order_by(job_events.c.id)
+        ).all()
+    assert [r.body["delay"] for r in requeued] == [0.2, 0.4, 0.5]
+    for before, after in itertools.pairwise(requeued):  # the next attempt waited its delay
+        assert (after.created_at - before.created_at).total_seconds() >= before.body["delay"] - 0.01
+    assert dead_letter_for(platform, handle.id)["error_type"] == "RequeuesExhausted"
+
+
+def test_an_attempt_retaken_by_its_own_process_waits_its_backoff(platform: Any) -> None:
+    """The message of an attempt an outage cut short came back to its own process before
+    the deferred release did: the claim releases it uncounted with the back-off instead
+    of running it at once."""
+    store = platform.store
+    before = (store.requeue_backoff, store.requeue_backoff_cap)
+    store.requeue_backoff, store.requeue_backoff_cap = 30.0, 60.0
+    try:
+        with platform.engine.begin() as conn:
+            job_id, _ = store.insert(
+                conn, NewJob(stage="conveyor.demo.flaky", queue="demo", payload={"n": 1}, max_attempts=3)
+            )
+            assert store.claim(conn, job_id, owner=owner_id(), task_id="a").outcome is ClaimOutcome.RUN
+            again = store.claim(conn, job_id, owner=owner_id(), task_id="b")
+            wait = conn.execute(select(jobs.c.run_at - sa.func.now()).where(jobs.c.id == job_id)).scalar_one()
+    finally:
+        store.requeue_backoff, store.requeue_backoff_cap = before
+    handle = platform.job(job_id)
+    handle.cancel()
+    assert again.outcome is ClaimOutcome.NOT_DUE
+    row = handle.row()
+    assert row["attempts"] == 1 and row["uncounted"] == row["requeues"] == 1
+    assert 29 <= wait.total_seconds() <= 31
+    assert [e.body for e in handle.events()[0] if e.topic == "job.requeued"] == [
+        {"reason": "infrastructure", "attempt": 1, "delay": 30.0}
+    ]
 
 
 def test_a_lost_connection_then_success_counts_one_attempt(platform: Any, worker: Any) -> None:
@@ -137,3 +249,29 @@ def test_classification_of_real_database_errors(platform: Any, tmp_path: Path) -
     assert not is_connection_loss(missing.value)  # a bug or a missing migration: counted
     locked = sa.exc.OperationalError("BEGIN", {}, sqlite3.OperationalError("database is locked"))
     assert is_connection_loss(locked)
+
+
+def test_only_conveyors_own_engine_and_redis_vouch_for_an_outage(platform: Any) -> None:
+    """A lost connection is an outage of Conveyor's (uncounted) only when Conveyor's own
+    engine saw it, or, for Redis, when Conveyor's own Redis does not answer either; a
+    statement psycopg refuses itself (sqlstate None) is no lost connection at all."""
+    terminated = _pg_error(platform, "SELECT pg_terminate_backend(pg_backend_pid())")
+    assert is_own_outage(terminated, redis_answers=lambda: True)
+    body_engine = sa.create_engine(platform.engine.url, poolclass=NullPool)  # the body's own
+    with body_engine.connect() as conn, pytest.raises(sa.exc.DBAPIError) as theirs:
+        conn.exec_driver_sql("SELECT pg_terminate_backend(pg_backend_pid())")
+    assert is_connection_loss(theirs.value) and not is_own_outage(theirs.value, redis_answers=lambda: False)
+    down = "postgresql+psycopg://postgres@127.0.0.1:1/gone"
+    with pytest.raises(sa.exc.DBAPIError) as refused_theirs:
+        sa.create_engine(down, poolclass=NullPool).connect()
+    assert not is_own_outage(refused_theirs.value, redis_answers=lambda: True)
+    with pytest.raises(sa.exc.DBAPIError) as refused_own:
+        make_engine(down, pool_size=0).connect()
+    assert is_own_outage(refused_own.value, redis_answers=lambda: True)
+    lost_redis = redis.ConnectionError("Connection refused")
+    assert not is_own_outage(lost_redis, redis_answers=lambda: True)  # the body's Redis
+    assert is_own_outage(lost_redis, redis_answers=lambda: False)  # Conveyor's is down too
+    with platform.engine.connect() as conn, pytest.raises(sa.exc.DBAPIError) as nul:
+        conn.exec_driver_sql("SELECT %s::text", ("a\x00b",))
+    assert nul.value.orig.sqlstate is None and not is_connection_loss(nul.value) and is_permanent(nul.value)
+    assert not is_own_outage(nul.value, redis_answers=lambda: False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
 
 import pytest
@@ -184,3 +186,15 @@ def test_cancel_returns_the_final_state_of_a_finished_job(platform: Any, worker:
     handle = platform.submit("conveyor.demo.square", {"n": 3})
     assert handle.wait(30) == s.SUCCEEDED
     assert handle.cancel(by="test") == s.SUCCEEDED
+
+
+def test_a_message_whose_job_row_never_committed_is_dropped_saying_so(
+    platform: Any, worker: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="conveyor.runner")
+    ghost = str(uuid.uuid4())
+    effect = {"stage": "conveyor.demo.effect", "queue": "demo", "payload": {"note": ghost}, "options": {}}
+    platform.broker.publish(job_id=ghost, task_id=ghost, **effect)
+    eventually(lambda: discarded(platform, ghost) == ["missing"], timeout=30)
+    said = eventually(lambda: [r.getMessage() for r in caplog.records if ghost in r.getMessage()], timeout=10)
+    assert "never committed" in said[0] and "another database" in said[0], said

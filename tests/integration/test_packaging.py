@@ -237,3 +237,30 @@ def test_a_client_only_install_submits_by_name(
     assert lines[1].startswith("refused:") and "conveyor.demo.square" in lines[1]
     assert lines[2] == "routed to: demo", lines[2]
     assert lines[3] == "loaded: []", lines[3]
+
+
+def _readme_install_line(section: str) -> str:
+    """The ``pip install`` line of the README's section ``section``, as a reader pastes it."""
+    text = (ROOT / "README.md").read_text()
+    body = text.split(f"\n### {section}\n", 1)[1].split("\n### ", 1)[0]
+    return next(line for line in body.splitlines() if line.startswith("pip install"))
+
+
+@pytest.mark.parametrize("section", ["From Django", "From a Flask app"])
+def test_the_readmes_install_line_with_an_extra_works_when_pasted(
+    wheel: Path, tmp_path: Path, section: str
+) -> None:
+    """Pasted into bash beside the built wheel, the line installs it with its extra (a dry
+    run: pip resolves the file and the extra, installs nothing)."""
+    (tmp_path / "dist").mkdir()
+    shutil.copy(wheel, tmp_path / "dist")
+    pip = f'pip() {{ "{sys.executable}" -m pip "$@" --dry-run --no-deps --no-index; }}'
+    done = subprocess.run(
+        ["bash", "-c", f"{pip}\n{_readme_install_line(section)}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"Would install {wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}" in done.stdout, done.stdout

@@ -21,7 +21,7 @@ from conveyor.celeryconfig import CELERY_DEFAULT_QUEUE
 from conveyor.contrib.celery import router
 from conveyor.db import schema as s
 from conveyor.db.schema import dead_letters, jobs
-from conveyor.errors import PayloadInvalid, PermanentError, TaskIdRefused, TransientError
+from conveyor.errors import PayloadInvalid, PermanentError, TaskIdRefused, TransientError, UnknownStage
 from tests.helpers import dead_letter_for, discarded, effect_count, eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)
@@ -66,6 +66,32 @@ def test_the_router_routes_stages_only(client: conveyor.Client) -> None:
     found = route("conveyor.demo.square", (), {"n": 1}, {})
     assert found is not None and found["queue"].name == "demo"
     assert route("shop.orders.total", (), {}, {}) is None  # the app's own tasks: Celery's routes
+
+
+def test_a_misspelt_stage_in_the_registrys_namespace_is_refused_not_sent(
+    platform: Any, client: conveyor.Client, tag: str
+) -> None:
+    """``conveyor.`` is the registry's: a name there that is no stage raises before any
+    message leaves (it would wait in ``celery`` forever); the caller's own tasks, even in
+    that namespace, and names outside it keep Celery's routes."""
+    app = _plain_app(platform, f"caller-{tag}")
+    try:
+        app.conf.task_routes = (router(client),)
+
+        @app.task(name=f"conveyor.caller.{tag}")
+        def own() -> None: ...
+
+        with pytest.raises(UnknownStage, match=r"did you mean 'conveyor\.demo\.square'\?"):
+            app.send_task("conveyor.demo.sqaure", kwargs={"n": 7}, task_id=f"{tag}-typo")
+        with pytest.raises(UnknownStage, match=r"did you mean 'conveyor\.demo\.square'\?"):
+            app.send_task("conveyor.dmeo.square", kwargs={"n": 7}, task_id=f"{tag}-typo2")
+        routes = app.amqp.router
+        assert routes.route({}, own.name, task_type=own)["queue"].name == CELERY_DEFAULT_QUEUE
+        assert routes.route({}, "shop.orders.total")["queue"].name == CELERY_DEFAULT_QUEUE
+        assert routes.route({}, "conveyor.demo.square")["queue"].name == "demo"
+    finally:
+        app.close()
+    assert job_row(platform, f"{tag}-typo") is None and job_row(platform, f"{tag}-typo2") is None
 
 
 def test_send_task_without_a_queue_runs_as_the_job_of_its_task_id(

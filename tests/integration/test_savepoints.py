@@ -4,12 +4,15 @@ and is published at commit — not 'republish_after' later by the relay."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
 
 from conveyor.db import schema as s
+from conveyor.dedup import Dedup
 from tests.helpers import job_row
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.redis_broker]
@@ -112,3 +115,54 @@ def test_session_joined_to_an_outer_transaction_publishes_when_that_commits(plat
     queued = b"".join(platform.redis.lrange("demo", 0, -1))
     assert kept.id.encode() in queued and _published_now(platform, kept)
     assert job_row(platform, gone.id) is None
+
+
+def test_a_raw_sql_savepoint_rolled_back_publishes_no_ghost_and_holds_no_key(
+    platform: Any, tag: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A savepoint the session never saw (``SAVEPOINT``/``ROLLBACK TO SAVEPOINT`` as raw
+    SQL) takes the job's row and its dedup key away before the commit: nothing is
+    published, no dedup holder is cached for it, and the next submit of the key runs."""
+    policy = Dedup(mode="simple", key="raw:{note}")
+    with Session(platform.engine) as session:
+        session.execute(text("SAVEPOINT raw1"))
+        ghost = platform.submit("conveyor.demo.effect", {"note": tag}, dedup=policy, session=session)
+        session.execute(text("ROLLBACK TO SAVEPOINT raw1"))
+        session.commit()
+    assert job_row(platform, ghost.id) is None
+    assert ghost.id.encode() not in b"".join(platform.redis.lrange("demo", 0, -1))
+    assert f"{ghost.id} (conveyor.demo.effect)" in caplog.text and "not published" in caplog.text
+    again = platform.submit("conveyor.demo.effect", {"note": tag}, dedup=policy)
+    assert not again.deduplicated and again.id != ghost.id
+    assert job_row(platform, again.id) is not None
+
+
+class _HooksSkipped:
+    """A framework's transaction whose after-commit hooks never ran: Django runs no later
+    ``on_commit`` hook once one of the app's raised (and a process may die right there)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def connection(self) -> Connection:
+        return self._conn
+
+    def after_commit(self, fn: Callable[[], None], job_id: str) -> None:
+        pass
+
+
+def test_a_committed_job_whose_publish_hook_never_ran_is_published_by_the_next_relay_pass(
+    platform: Any, tag: str
+) -> None:
+    """Not ``republish_after`` (300 s) later: the next relay pass publishes it. A job whose
+    hook did run is not published a second time by that pass."""
+    with platform.engine.begin() as conn:
+        skipped = platform.submit("conveyor.demo.effect", {"note": tag}, session=_HooksSkipped(conn))
+    with Session(platform.engine) as session:
+        hooked = platform.submit("conveyor.demo.effect", {"note": tag + "-h"}, session=session)
+        session.commit()
+    assert job_row(platform, skipped.id)["status"] == s.QUEUED
+    platform.relay().tick(reconcile=False)
+    queued = platform.redis.lrange("demo", 0, -1)
+    assert [m for m in queued if skipped.id.encode() in m] != [] and _published_now(platform, skipped)
+    assert len([m for m in queued if hooked.id.encode() in m]) == 1

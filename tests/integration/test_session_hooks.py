@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -77,3 +78,46 @@ def test_enlisted_takes_a_scoped_session(platform: Any, tag: str) -> None:
     finally:
         scoped.remove()
     assert handle.id.encode() in _queued(platform)
+
+
+def _dropped_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "conveyor.submit" and r.levelno == logging.WARNING and "not committed" in r.getMessage()
+    ]
+
+
+def test_a_session_ended_without_a_commit_warns_once_naming_its_jobs(
+    platform: Any, tag: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A forgotten commit (a Flask handler's: Flask-SQLAlchemy removes the session at the
+    end of the request) or a rollback drops the jobs submitted in the session: one warning
+    names them and their stages, never their payloads."""
+    caplog.set_level(logging.WARNING, logger="conveyor.submit")
+    scoped = scoped_session(sessionmaker(platform.engine))
+    try:
+        a = platform.submit("conveyor.demo.effect", {"note": tag}, session=scoped)
+        b = platform.submit("conveyor.demo.square", {"n": 4}, session=scoped)
+        scoped.remove()  # closed, never committed
+        (closed,) = _dropped_warnings(caplog)
+        assert f"{a.id} (conveyor.demo.effect)" in closed and f"{b.id} (conveyor.demo.square)" in closed
+        assert tag not in closed.replace(a.id, "")
+
+        caplog.clear()
+        c = platform.submit("conveyor.demo.effect", {"note": tag + "-c"}, session=scoped)
+        with scoped.begin_nested():
+            d = platform.submit("conveyor.demo.effect", {"note": tag + "-d"}, session=scoped)
+        scoped.rollback()
+        scoped.remove()
+        (rolled,) = _dropped_warnings(caplog)
+        assert c.id in rolled and d.id in rolled and "without a commit" in rolled
+
+        caplog.clear()
+        kept = platform.submit("conveyor.demo.effect", {"note": tag + "-k"}, session=scoped)
+        scoped.commit()
+        scoped.remove()
+        assert _dropped_warnings(caplog) == [] and kept.status() == s.QUEUED
+    finally:
+        scoped.remove()
+    assert all(job_row(platform, h.id) is None for h in (a, b, c, d))

@@ -51,3 +51,18 @@ def test_a_database_error_is_described_without_its_sql(platform: Any, tag: str) 
     text = describe(caught.value)
     assert text.startswith("database error (") and "NUL" in text
     assert "INSERT" not in text and "[SQL" not in text and "nul\x00" not in text
+
+
+def test_a_database_error_never_carries_its_parameters(platform: Any, tag: str) -> None:
+    """The whole exception (what Celery logs and a dead letter's traceback keeps) shows the
+    statement but never its parameters: a payload's values may be personal data."""
+    import pytest
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    email = f"ada-{tag}@example.com"
+    with pytest.raises(DBAPIError) as caught, platform.engine.begin() as conn:
+        conn.execute(text("SELECT CAST(:email AS text), 1 / 0"), {"email": email})
+    whole = f"{caught.value}\n{caught.value!r}"
+    assert "division by zero" in whole and "SELECT CAST" in whole
+    assert email not in whole

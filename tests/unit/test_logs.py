@@ -18,8 +18,10 @@ from conveyor.logs import (
     HANDLER_NAME,
     bind_job,
     configure_logging,
+    configure_logging_on_first_record,
     job_context,
     redact_text,
+    redact_value,
     unbind_job,
 )
 from conveyor.settings import ConveyorSettings
@@ -282,3 +284,68 @@ def test_ctx_log_through_stdlib_carries_the_trace_ids_too(
     ctx.close()
     [record] = [r for r in caplog.records if r.name == "conveyor.job"]
     assert f"trace_id={TRACE_HEX}" in record.getMessage() and f"span_id={SPAN_HEX}" in record.getMessage()
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("celery worker --password S3CR3T -l INFO", "celery worker --password *** -l INFO"),
+        ("run -token S3CR3T", "run -token ***"),
+        ("run --db-password 'S3 CR3T' --verbose", "run --db-password '***' --verbose"),
+        ("run --api-key=S3CR3T", "run --api-key=***"),
+        ("run --password --verbose", "run --password --verbose"),  # no value: the next option
+        ("['conveyor', 'login', '--password', 'S3CR3T']", "['conveyor', 'login', '--password', '***']"),
+        ("('password', 'S3CR3T')", "('password', '***')"),
+        ('["api_key", "S3CR3T", "n", 1]', '["api_key", "***", "n", 1]'),
+        ("['token', 12345]", "['token', ***]"),
+        ("the password was reset", "the password was reset"),  # prose is not an option
+    ],
+)
+def test_redact_text_masks_options_and_listed_pairs(raw: str, expected: str) -> None:
+    assert redact_text(raw) == expected
+
+
+def test_redact_value_masks_the_item_after_a_secret_name_in_a_sequence() -> None:
+    assert redact_value(["password", "S3CR3T"]) == ["password", "***"]
+    assert redact_value(("prog", "--token", "S3CR3T", "-v")) == ("prog", "--token", "***", "-v")
+    assert redact_value({"argv": ["x", "--api-key", "S3CR3T"]}) == {"argv": ["x", "--api-key", "***"]}
+    assert redact_value(["--password", "--verbose", "on"]) == ["--password", "--verbose", "on"]
+    assert redact_value(["password"]) == ["password"]  # nothing after it
+    assert redact_value(["password", None]) == ["password", None]
+    assert redact_value(["a password is needed", "ok"]) == ["a password is needed", "ok"]
+
+
+@pytest.mark.parametrize("log_format", ["console", "json"])
+def test_argv_secrets_never_reach_the_rendered_output(restore_logging: None, log_format: str) -> None:
+    buf = capture(log_format)
+    logging.getLogger("conveyor.x").warning("started: celery worker --password S3CR3T -l INFO")
+    logging.getLogger("conveyor.x").warning("argv %s", ["conveyor", "--password", "S3CR3T"])
+    structlog.get_logger("conveyor.y").warning("argv", argv=["password", "S3CR3T"], n=1)
+    out = buf.getvalue()
+    assert "S3CR3T" not in out
+    assert out.count("***") == 3 and "--password" in out
+
+
+def test_logging_set_up_on_first_record_renders_that_record_once(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    logging.getLogger().handlers[:] = []
+    structlog.reset_defaults()
+    configure_logging_on_first_record(ConveyorSettings(log_format="json", log_level="INFO"))
+    assert not structlog.is_configured()
+    logging.getLogger("conveyor.x").debug("below the level")
+    assert not structlog.is_configured()
+    logging.getLogger("conveyor.x").info("first token=%s", "s3cret")
+    logging.getLogger("conveyor.x").info("second")
+    lines = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert [line["event"] for line in lines] == ["first token=***", "second"]
+    assert [h.get_name() for h in logging.getLogger().handlers].count(HANDLER_NAME) == 1
+
+
+def test_logging_set_up_meanwhile_is_left_alone(restore_logging: None) -> None:
+    logging.getLogger().handlers[:] = []
+    configure_logging_on_first_record(ConveyorSettings(log_format="console"))
+    buf = capture("json")  # as Celery's setup_logging does in a worker, into its log file
+    logging.getLogger("conveyor.x").warning("into the file")
+    assert [line["event"] for line in json_lines(buf)] == ["into the file"]
+    assert [h.get_name() for h in logging.getLogger().handlers].count(HANDLER_NAME) == 1

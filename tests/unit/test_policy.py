@@ -7,7 +7,8 @@ from pydantic import BaseModel
 
 from conveyor.errors import PayloadInvalid, PermanentError, TransientError, is_permanent
 from conveyor.events import EventCursor
-from conveyor.retry import Backoff, Schedule
+from conveyor.retry import Backoff, Schedule, requeue_delay
+from conveyor.settings import ConveyorSettings
 from conveyor.stage import StageSpec, payload_from_call
 from conveyor.store import parse_cursor
 
@@ -23,6 +24,17 @@ def test_backoff_is_exponential_jittered_and_capped() -> None:
 def test_explicit_schedule_repeats_last() -> None:
     s = Schedule((1, 5, 30, 120, 600))
     assert [s.delay(a, default_base=0, default_cap=0) for a in (1, 2, 5, 6, 9)] == [1, 5, 600, 600, 600]
+
+
+def test_uncounted_requeues_by_default_outlast_a_ten_minute_outage() -> None:
+    """Requeue n (0-based) waits min(cap, base * 2**n): with the defaults (1 s, 60 s, 20
+    requeues) a job is dead-lettered for "infrastructure kept failing" only after at least
+    1+2+4+8+16+32+14*60 = 903 s of requeue waits."""
+    fields = ConveyorSettings.model_fields
+    base, cap = fields["infra_backoff"].default, fields["infra_backoff_cap"].default
+    delays = [requeue_delay(n, base=base, cap=cap) for n in range(fields["max_requeues"].default)]
+    assert delays[:4] == [1, 2, 4, 8] and max(delays) == delays[-1] == cap
+    assert sum(delays) >= 600
 
 
 def test_error_tree_drives_policy() -> None:

@@ -18,6 +18,7 @@ from sqlalchemy.engine import URL
 
 from conveyor.settings import ConveyorSettings
 
+APP = "conveyor.contrib.django"
 OWN_KEYS = {"DATABASE", "TEST", "QUEUES", "DEFAULT_QUEUE"}  # the integration's, not ConveyorSettings'
 ENGINES = {
     "django.db.backends.postgresql": "postgresql+psycopg",
@@ -122,6 +123,21 @@ def conveyor_settings(using: str | None = None) -> DjangoConveyorSettings:
         values.update({k.lower(): v for k, v in test.items()})
     values["database_url"] = database_url(using)
     return DjangoConveyorSettings(**values)
+
+
+def site_settings() -> DjangoConveyorSettings | None:
+    """:func:`conveyor_settings`, for ``conveyor.connect()`` in a process Django runs, when
+    the project configures Conveyor through Django (``settings.CONVEYOR``, or this app in
+    ``INSTALLED_APPS``). None when Django has no settings (``DJANGO_SETTINGS_MODULE`` unset
+    and nothing configured), or the project leaves Conveyor to the environment."""
+    try:
+        installed = list(django_settings.INSTALLED_APPS)  # Django reads its own variable here
+    except ImproperlyConfigured:
+        return None
+    ours = any(a == APP or a.startswith(APP + ".") for a in installed)
+    if not ours and getattr(django_settings, "CONVEYOR", None) is None:
+        return None
+    return conveyor_settings()
 
 
 def _needs_psycopg3() -> None:

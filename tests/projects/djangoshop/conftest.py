@@ -11,7 +11,4 @@ pytest_plugins = ["conveyor.contrib.django.testing"]
 
 @pytest.fixture(scope="session")
 def deployment_worker(conveyor_workers) -> subprocess.Popen[bytes]:
-    # A publish lost between a commit and its on_commit hook is republished once it has
-    # waited this long unclaimed (default 300 s): short here, so a test sees it happen.
-    os.environ.setdefault("CONVEYOR_REPUBLISH_AFTER", "5")
     return conveyor_workers.start(root=os.environ["SHOP_DEPLOYMENT"], queues=["demo"], django=False)
