@@ -248,7 +248,7 @@ def queued_messages(platform: Platform) -> int:
 
 def job_rows(platform: Platform) -> int:
     """Job rows in the bench database."""
-    from conveyor.db.schema import jobs
+    from conveyor.store.db.schema import jobs
 
     with platform.engine.connect() as conn:
         return int(conn.execute(select(func.count()).select_from(jobs)).scalar_one())
@@ -256,7 +256,7 @@ def job_rows(platform: Platform) -> int:
 
 def empty(platform: Platform) -> None:
     """Empty the queue and Conveyor's job tables (between sides)."""
-    from conveyor.db.schema import job_events, jobs
+    from conveyor.store.db.schema import job_events, jobs
 
     platform.redis.delete(QUEUE)
     with platform.engine.begin() as conn:

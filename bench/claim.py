@@ -2,7 +2,7 @@
 
 Runs against the shared Postgres only (no Redis, no worker), in a scratch database that is
 created, migrated and dropped. Two configurations of ``conveyor_claim``, the one
-statement the runner's claim runs (:meth:`conveyor.db.lane.Lane.claim`):
+statement the runner's claim runs (:meth:`conveyor.store.db.lane.Lane.claim`):
 
 * **durable**: the function exactly as migration 0007 defines it. The claim's commit
   waits for its WAL flush with the server's ``synchronous_commit`` and ``fsync`` (logged
@@ -48,8 +48,8 @@ from bench.common import DEFAULT_PG, ROOT, BenchError, log, recreate_database
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
-    from conveyor.db.lane import Lane
-    from conveyor.store import JobStore
+    from conveyor.store.db.lane import Lane
+    from conveyor.store.jobs import JobStore
 
 DATABASE = "conveyor_bench_claim"
 SMOKE_N = 100
@@ -62,7 +62,7 @@ SIDES = ("durable", "async")
 
 def claim_functions() -> dict[str, str]:
     """``CREATE OR REPLACE FUNCTION conveyor_claim`` for each side, from migration 0007."""
-    mig = importlib.import_module("conveyor.migrations.versions.0007_attempt_accounting")
+    mig = importlib.import_module("conveyor.store.migrations.versions.0007_attempt_accounting")
     durable = str(mig.CLAIM)
     if "synchronous_commit" in durable:
         raise BenchError("migration 0007's claim sets synchronous_commit itself: the labels would lie")
@@ -80,8 +80,8 @@ def percentile_ms(samples_ns: Sequence[int], q: float) -> float:
 
 def claim_block(engine: Engine, lane: Lane, store: JobStore, count: int) -> list[int]:
     """``count`` times: insert a queued job, then time its ``Lane.claim`` (nanoseconds)."""
-    from conveyor.runner import lease_owner
-    from conveyor.store import NewJob
+    from conveyor.store.jobs import NewJob
+    from conveyor.worker.runner import lease_owner
 
     owner = lease_owner()
     samples: list[int] = []
@@ -101,9 +101,9 @@ def claim_block(engine: Engine, lane: Lane, store: JobStore, count: int) -> list
 
 def run(engine: Engine, n: int, warmup: int) -> dict[str, list[int]]:
     """Warm up both sides, then interleave blocks until each side has ``n`` samples."""
-    from conveyor.db.lane import Lane
-    from conveyor.db.namespace import SCHEMA
-    from conveyor.store import JobStore
+    from conveyor.store.db.lane import Lane
+    from conveyor.store.db.namespace import SCHEMA
+    from conveyor.store.jobs import JobStore
 
     functions = claim_functions()
     lane = Lane(engine, SCHEMA)
@@ -148,8 +148,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
-    from conveyor.db.engine import make_engine
-    from conveyor.db.migrate import upgrade
+    from conveyor.store.db.engine import make_engine
+    from conveyor.store.db.migrate import upgrade
 
     args = parse_args(argv)
     database_url = f"{args.pg.rstrip('/')}/{args.database}"

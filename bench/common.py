@@ -150,7 +150,7 @@ class BenchWorker:
 
         Returns its hostname. ``name`` labels its hostname and its log file.
         """
-        from conveyor.procs import start_worker
+        from conveyor.delivery.procs import start_worker
 
         if self.proc is not None:
             raise BenchError("a worker is already running")
@@ -183,7 +183,7 @@ class BenchWorker:
 
     def stop(self) -> None:
         """Warm-stop the worker, if one runs."""
-        from conveyor.procs import stop
+        from conveyor.delivery.procs import stop
 
         if self.proc is None:
             return
@@ -218,7 +218,7 @@ def check_all_succeeded(platform: Platform, expected: int) -> None:
     """Every job this benchmark submitted ended ``succeeded``; nothing in the DLQ."""
     from sqlalchemy import func, select
 
-    from conveyor.db.schema import dead_letters
+    from conveyor.store.db.schema import dead_letters
 
     with platform.engine.connect() as conn:
         counts = platform.store.count_by_status(conn)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 from bench.common import ROOT, BenchError, BenchWorker, add_service_args, log, open_platform, prepare
 
 if TYPE_CHECKING:
-    from conveyor.handle import JobHandle
+    from conveyor.client.handle import JobHandle
     from conveyor.platform import Platform
 
 QUEUE = "demo"
@@ -107,8 +107,8 @@ class DedupBench:
         """The gated burst; returns how many bodies ran beyond the one allowed."""
         from sqlalchemy import func, select
 
-        from conveyor.db.schema import jobs
         from conveyor.dedup import Dedup
+        from conveyor.store.db.schema import jobs
         from tasks.demo.models import effects
 
         if self.worker.proc is not None:

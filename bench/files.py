@@ -5,7 +5,7 @@ hundred bytes, varied words; the same documents on both sides of a run) with the
 pure functions (:func:`tasks.files.extract.extract`, :func:`tasks.files.chunking.chunk_text`
 and the embedder of :mod:`tasks.files.embedding`, configured from the same settings), the
 same storage reads by reference, the same ``files`` / ``file_chunks`` writes in the same
-Postgres database, the same Celery config dict (:func:`conveyor.celeryconfig.celery_config`)
+Postgres database, the same Celery config dict (:func:`conveyor.delivery.celeryconfig.celery_config`)
 on the same Redis, and a real ``celery worker -P prefork`` subprocess with the same
 concurrency and flags, rate limits disabled on both (``worker_disable_rate_limits``,
 checked with ``inspect conf``). Only one worker runs at a time; runs are interleaved
@@ -83,8 +83,8 @@ from bench.common import (
     wait_drained,
 )
 from config.settings import Settings
-from conveyor.celeryconfig import celery_config
-from conveyor.db.dialect import db_now
+from conveyor.delivery.celeryconfig import celery_config
+from conveyor.store.db.dialect import db_now
 from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
 from tasks.files.embedding import Embedder, embed_packed, load_embedder
@@ -164,7 +164,7 @@ _engines: dict[int, Engine] = {}
 
 def worker_engine() -> Engine:
     """This pool process's engine (made after the fork, like the platform's)."""
-    from conveyor.db.engine import make_engine
+    from conveyor.store.db.engine import make_engine
 
     engine = _engines.get(os.getpid())
     if engine is None:
@@ -254,7 +254,7 @@ def raw_complete(results: list[str], batch_id: str) -> dict[str, Any]:
 
 
 if os.environ.get("CONVEYOR_REDIS_URL"):
-    # A worker process: same environment as the tracked worker (conveyor.procs.service_env).
+    # A worker process: same environment as the tracked worker (conveyor.delivery.procs.service_env).
     # A fresh Settings(), not the cached get_settings(): in the bench process this runs at
     # import, before main() sets the environment (main() configures the app again).
     configure_raw_app(Settings())
@@ -411,7 +411,7 @@ class Bench:
         A chord body's job row only appears once the header's last member has returned,
         so "no job pending" alone may be seen just before it.
         """
-        from conveyor.db.schema import TERMINAL, jobs
+        from conveyor.store.db.schema import TERMINAL, jobs
 
         pending = select(func.count()).select_from(jobs).where(jobs.c.status.not_in(sorted(TERMINAL)))
         bodies = (

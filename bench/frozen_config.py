@@ -1,4 +1,4 @@
-"""The "same-config" baseline: ``conveyor.celeryconfig.celery_config()`` as it was on
+"""The "same-config" baseline: ``conveyor.delivery.celeryconfig.celery_config()`` as it was on
 2026-11-27 (commit 7d2e024), frozen on purpose.
 
 Issue #16 measures Conveyor against Celery running *this* config. Conveyor may change its

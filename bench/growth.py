@@ -94,7 +94,7 @@ def label(n: int) -> str:
 def private_redis(home: Path) -> Iterator[str]:
     """A redis-server of the bench's own on a free port (no other client's keys or
     commands in its figures); yields its URL (DB 0)."""
-    from conveyor.embedded import start_redis
+    from conveyor.delivery.embedded import start_redis
 
     server = start_redis(home)
     try:
@@ -107,7 +107,7 @@ def exec_sql(platform: Platform, sql: str, params: dict[str, Any] | None = None)
     """Run ``sql`` in one transaction with Conveyor's schema on the search path."""
     from sqlalchemy import text
 
-    from conveyor.db.namespace import SCHEMA
+    from conveyor.store.db.namespace import SCHEMA
 
     with platform.engine.begin() as conn:
         conn.exec_driver_sql(f'SET LOCAL search_path TO "{SCHEMA}"')
@@ -116,7 +116,7 @@ def exec_sql(platform: Platform, sql: str, params: dict[str, Any] | None = None)
 
 def analyze(platform: Platform) -> None:
     """Fresh planner statistics, as autovacuum would have gathered them."""
-    from conveyor.db.namespace import SCHEMA
+    from conveyor.store.db.namespace import SCHEMA
 
     with platform.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         conn.exec_driver_sql(f'VACUUM ANALYZE "{SCHEMA}".jobs, "{SCHEMA}".job_events')
@@ -174,8 +174,8 @@ def fill_terminal(platform: Platform, have: int, want: int) -> None:
 
 def claim_complete(platform: Platform, size: int, pairs: int) -> list[float]:
     """Microseconds of each claim + succeed pair of ``pairs`` fresh queued jobs."""
-    from conveyor.db.lane import Lane
-    from conveyor.db.namespace import SCHEMA
+    from conveyor.store.db.lane import Lane
+    from conveyor.store.db.namespace import SCHEMA
 
     prefix = f"cc-{size}-"
     exec_sql(
@@ -247,7 +247,7 @@ def enqueue_backlog(platform: Platform, n: int) -> float:
     Redis memory per queued message."""
     from sqlalchemy import select
 
-    from conveyor.db.schema import jobs
+    from conveyor.store.db.schema import jobs
 
     template = platform.submit(STAGE, {"n": 0}).id
     epoch = platform.broker.epoch(max_age=0)
@@ -289,7 +289,7 @@ def succeeded(platform: Platform) -> int:
     """How many jobs succeeded (an index-only count on the status index)."""
     from sqlalchemy import func, select
 
-    from conveyor.db.schema import SUCCEEDED, jobs
+    from conveyor.store.db.schema import SUCCEEDED, jobs
 
     with platform.engine.connect() as conn:
         q = select(func.count()).select_from(jobs).where(jobs.c.status == SUCCEEDED)

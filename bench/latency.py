@@ -67,7 +67,7 @@ def started_at(platform: Platform, job_id: str) -> float:
     """The job's ``started_at`` (its claim) as a Unix timestamp."""
     from sqlalchemy import select
 
-    from conveyor.db.schema import jobs
+    from conveyor.store.db.schema import jobs
 
     with platform.engine.connect() as conn:
         value = conn.execute(select(jobs.c.started_at).where(jobs.c.id == job_id)).scalar_one()
@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; print the ``name=value`` lines. Exit 0 unless something broke."""
-    from conveyor.embedded import start_redis
+    from conveyor.delivery.embedded import start_redis
 
     args = parse_args(argv)
     n = args.n or (SMOKE_N if args.smoke else FULL_N)
@@ -189,8 +189,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}_p99_ms={percentile(values, 0.99) * 1000:.2f}")
         print(f"{name}_mean_ms={statistics.fmean(values) * 1000:.2f}")
     print(
-        "conveyor_config=conveyor worker prefork -c 4, conveyor.celeryconfig.celery_config() of this "
-        f"checkout, platform.submit {STAGE}, JobHandle.wait(); start = the row's started_at (claim)"
+        "conveyor_config=conveyor worker prefork -c 4, conveyor.delivery.celeryconfig.celery_config() "
+        f"of this checkout, platform.submit {STAGE}, JobHandle.wait(); start = the row's started_at (claim)"
     )
     print(
         f"celery_config=celery {celery.__version__} worker prefork -c 4, bench/frozen_config.py "

@@ -162,7 +162,7 @@ class PreemptionBench:
         """``created_at`` of the first event ``topic`` of ``job_id``."""
         from sqlalchemy import select
 
-        from conveyor.db.schema import job_events
+        from conveyor.store.db.schema import job_events
 
         with self.platform.engine.connect() as conn:
             return conn.execute(

@@ -4,7 +4,7 @@ against the search it replaced (every chunk of the user scored in Python) in the
 **Population.** Both databases get the same rows, written in one pass: a scratch Postgres
 database (``--database``, dropped and created, migrated with ``config.migrations.upgrade``,
 dropped at the end) and a throwaway SQLite file in a temporary home (the embedded store's
-engine, :func:`conveyor.db.engine.make_engine`; deleted at the end). ``--chunks`` chunks
+engine, :func:`conveyor.store.db.engine.make_engine`; deleted at the end). ``--chunks`` chunks
 (100,000): one heavy user holds ``--heavy`` of them (20,000), 49 light users share the rest
 evenly (1,632 or 1,633 each), in files of 20 chunks (a user's last file may be shorter),
 every file ``ready``. The files of all users are inserted in one shuffled order, so a
@@ -669,7 +669,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from config.migrations import upgrade
     from config.settings import get_settings
-    from conveyor.db.engine import make_engine, sqlite_url
+    from conveyor.store.db.engine import make_engine, sqlite_url
     from tasks.files.embedding import load_embedder
 
     scale = Scale(args.chunks, args.heavy, args.queries, args.naive_queries)

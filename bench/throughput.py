@@ -27,7 +27,7 @@ cost more than trebled). Over the drain window:
 Sides, each on its own Redis DB and, where it needs one, its own Postgres database:
 
 * ``tracked``: Conveyor, ``platform.submit("conveyor.demo.noop", {"n": i})``, worker
-  ``conveyor worker`` with ``conveyor.celeryconfig.celery_config()`` as it is now.
+  ``conveyor worker`` with ``conveyor.delivery.celeryconfig.celery_config()`` as it is now.
 * ``same_config``: a plain Celery task under ``celery worker`` with the frozen copy of that
   config (:mod:`bench.frozen_config`: late acks, prefetch disabled, task and sent events,
   Redis result backend); results are checked after the drain.
@@ -171,7 +171,7 @@ def default_noop(n: int) -> dict[str, int]:
 
 
 if os.environ.get("CONVEYOR_REDIS_URL"):
-    # A worker process: same environment as the tracked worker (conveyor.procs.service_env).
+    # A worker process: same environment as the tracked worker (conveyor.delivery.procs.service_env).
     # A fresh Settings(), not the cached get_settings(): in the bench process this runs at
     # import, before main() sets the environment (main() configures the apps again).
     from config.settings import Settings
@@ -213,7 +213,7 @@ def side_configs() -> dict[str, str]:
         "same_config": f"celery {celery.__version__} with bench/frozen_config.py (conveyor's "
         "celery_config() frozen at 7d2e024: late acks, prefetch off, task+sent events, "
         "redis result backend)",
-        "tracked": "conveyor worker, conveyor.celeryconfig.celery_config() as of this checkout, "
+        "tracked": "conveyor worker, conveyor.delivery.celeryconfig.celery_config() as of this checkout, "
         "platform.submit conveyor.demo.noop",
     }
     if procrastinate is not None:
@@ -412,7 +412,7 @@ class Bench:
         """Jobs not yet terminal (a COUNT by status; the status index answers it)."""
         from sqlalchemy import func, select
 
-        from conveyor.db.schema import TERMINAL, jobs
+        from conveyor.store.db.schema import TERMINAL, jobs
 
         q = select(func.count()).select_from(jobs).where(jobs.c.status.not_in(sorted(TERMINAL)))
         with self.platform.engine.connect() as conn:
@@ -455,7 +455,7 @@ class Bench:
 
     def forget_jobs(self) -> None:
         """Empty the tracked side's job and event tables (its own database)."""
-        from conveyor.db.schema import job_events, jobs
+        from conveyor.store.db.schema import job_events, jobs
 
         with self.platform.engine.begin() as conn:
             conn.execute(job_events.delete())
@@ -465,7 +465,7 @@ class Bench:
         """How many jobs the database holds."""
         from sqlalchemy import func, select
 
-        from conveyor.db.schema import jobs
+        from conveyor.store.db.schema import jobs
 
         with self.platform.engine.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(jobs)).scalar_one())

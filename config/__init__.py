@@ -13,4 +13,4 @@ import importlib.util
 FILES_EXTRA = ("numpy", "pypdf", "docx", "lxml", "markdown_it", "charset_normalizer", "puremagic")
 HAS_FILES = all(importlib.util.find_spec(m) is not None for m in FILES_EXTRA)
 
-CLI_EXTENSIONS = {"files": "tasks.files.cli:app"} if HAS_FILES else {}
+CLI_EXTENSIONS = {"files": "pipelines.files.cli:app"} if HAS_FILES else {}

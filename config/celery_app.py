@@ -10,10 +10,10 @@ from config import HAS_FILES
 from config.beat import BEAT_SCHEDULE
 from config.queues import DEFAULT_QUEUE, QUEUES
 from config.settings import get_settings
-from conveyor.celeryconfig import celery_config
+from conveyor.delivery.celeryconfig import celery_config
+from conveyor.delivery.services import attach
 from conveyor.platform import Platform
-from conveyor.services import attach
-from conveyor.worker import install
+from conveyor.worker.step import install
 
 # A family whose extra is not installed is left out (config/__init__.py), and says so.
 if not HAS_FILES:
@@ -22,7 +22,7 @@ if not HAS_FILES:
 TASK_MODULES = ["tasks.demo", *(["tasks.files.stages"] if HAS_FILES else [])]
 # Routers `conveyor serve` adds to the HTTP API (conveyor.web.server); the command groups
 # `conveyor` adds, CLI_EXTENSIONS, are in config/__init__.py (read without this module).
-HTTP_EXTENSIONS = {"files": "tasks.files.http:router"} if HAS_FILES else {}
+HTTP_EXTENSIONS = {"files": "pipelines.files.http:router"} if HAS_FILES else {}
 MIGRATIONS = "config.migrations:upgrade"
 
 settings = get_settings()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from conveyor.db.migrate import upgrade as platform_upgrade
+from conveyor.store.db.migrate import upgrade as platform_upgrade
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY_MIGRATIONS = [ROOT / "tasks" / "demo" / "migrations", ROOT / "tasks" / "files" / "migrations"]

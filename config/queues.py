@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kombu import Exchange
 
-from conveyor.amqp import quorum_queue
+from conveyor.delivery.amqp import quorum_queue
 
 EXCHANGE = Exchange("conveyor", type="direct")
 

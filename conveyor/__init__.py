@@ -28,15 +28,15 @@ from conveyor.errors import (
 from conveyor.retry import Backoff, Schedule
 
 if TYPE_CHECKING:
-    from conveyor.client import Client
-    from conveyor.client_async import AsyncClient
+    from conveyor.client.by_name import Client
+    from conveyor.client.by_name_async import AsyncClient
     from conveyor.settings import ConveyorSettings
     from conveyor.shared import current_platform
 
 # Imported on first use: ``import conveyor.errors`` (every module does) stays light.
 _LAZY = {
-    "Client": "conveyor.client",
-    "AsyncClient": "conveyor.client_async",
+    "Client": "conveyor.client.by_name",
+    "AsyncClient": "conveyor.client.by_name_async",
     "current_platform": "conveyor.shared",
 }
 
@@ -52,7 +52,7 @@ def connect(
     project that configures Conveyor, by ``settings.CONVEYOR`` and ``DATABASES`` (as
     :mod:`conveyor.contrib.django`), else by the environment (``CONVEYOR_DATABASE_URL``, ...).
     The URLs given replace the settings'; ``broker_url``: the workers' RabbitMQ, if any."""
-    from conveyor.client import Client
+    from conveyor.client.by_name import Client
 
     base = settings if settings is not None else _site_settings()
     return Client(base, database_url=database_url, redis_url=redis_url, broker_url=broker_url)

@@ -1,5 +1,5 @@
 """``python -m conveyor``: the ``conveyor`` command without a console script on PATH."""
 
-from conveyor.cli import main
+from conveyor.cli.main import main
 
 main()

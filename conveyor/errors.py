@@ -231,7 +231,7 @@ _OWN = "_conveyor_own"
 
 def mark_own(exc: BaseException) -> BaseException:
     """Note that Conveyor's own engine or pool raised ``exc`` (see
-    :func:`conveyor.db.engine.make_engine`); returns it."""
+    :func:`conveyor.store.db.engine.make_engine`); returns it."""
     setattr(exc, _OWN, True)
     return exc
 
@@ -330,7 +330,7 @@ def describe(exc: BaseException) -> str:
 
 
 class OutOfBounds(PermanentError):
-    """Work run by :func:`conveyor.isolate.run_bounded` outgrew its memory or time bound.
+    """Work run by :func:`conveyor.worker.isolate.run_bounded` outgrew its memory or time bound.
 
     Permanent: the same input exceeds the same bound again. ``reason`` says which bound;
     ``bound`` is that bound in bytes (memory) or seconds (time).
@@ -347,7 +347,7 @@ class OutOfBounds(PermanentError):
 
 
 class ChildFailed(PermanentError):
-    """A function run by :func:`conveyor.isolate.run_bounded` raised something that is not
+    """A function run by :func:`conveyor.worker.isolate.run_bounded` raised something that is not
     a :class:`ConveyorError` (or its child died oddly). A deterministic function failing
     on the same input fails again, so this is permanent. ``type_name`` is the original
     exception's qualified class name (or e.g. ``"signal"``), ``detail`` its message."""

@@ -22,35 +22,36 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import shared
-from conveyor.admission import Admission
-from conveyor.broker import Broker
-from conveyor.completion import Completion
-from conveyor.connections import Connections
-from conveyor.continuations import Continuations
-from conveyor.db import schema as s
-from conveyor.dedup import Dedup, Deduplicator, Reuse
-from conveyor.dlq import DeadLetterQueue
-from conveyor.enlist import Enlistment
-from conveyor.fastpath import FastPath
-from conveyor.flow import Burial, Flow
-from conveyor.followers import Followers
-from conveyor.handle import JobHandle
-from conveyor.heartbeat import Heartbeat
-from conveyor.leases import Leases
-from conveyor.liveness import Deliveries
+from conveyor.client.dlq import DeadLetterQueue
+from conveyor.client.enlist import Enlistment
+from conveyor.client.followers import Followers
+from conveyor.client.handle import JobHandle
+from conveyor.client.recorder import Recorder
+from conveyor.client.stops import Stops
+from conveyor.client.submit import Submitter
+from conveyor.dedup import Dedup, Reuse
+from conveyor.delivery.broker import Broker
+from conveyor.delivery.connections import Connections
+from conveyor.delivery.fastpath import FastPath
 from conveyor.metrics import Metrics
-from conveyor.reconciler import Reconciler
-from conveyor.recorder import Recorder
-from conveyor.relay import Relay
 from conveyor.retry import RetryPolicy
-from conveyor.runner import Runner
 from conveyor.settings import ConveyorSettings
 from conveyor.stage import StageSpec
 from conveyor.stages import Stages
-from conveyor.stops import Stops
-from conveyor.store import JobStore, NewJob, Row
-from conveyor.submit import Submitter
-from conveyor.task import StageTask
+from conveyor.store.db import schema as s
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, NewJob, Row
+from conveyor.store.liveness import Deliveries
+from conveyor.upkeep.reconciler import Reconciler
+from conveyor.upkeep.relay import Relay
+from conveyor.worker.admission import Admission
+from conveyor.worker.completion import Completion
+from conveyor.worker.continuations import Continuations
+from conveyor.worker.flow import Burial, Flow
+from conveyor.worker.heartbeat import Heartbeat
+from conveyor.worker.leases import Leases
+from conveyor.worker.runner import Runner
+from conveyor.worker.task import StageTask
 
 
 class Platform:

@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from conveyor.db.names import SCHEMA, checked_schema
+SCHEMA = "conveyor"  # the placeholder every table is declared in, and the default schema
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+def checked_schema(name: str) -> str:
+    """``name`` if it is a plain lower-case identifier (it is spliced into SQL). Here, not in
+    :mod:`conveyor.store.db.namespace` (which renders it): reading the settings must not
+    import a database toolkit (``conveyor --help``)."""
+    if not _IDENTIFIER.fullmatch(name):
+        raise ValueError(f"database schema {name!r} must be a lower-case identifier (letters, digits, _)")
+    return name
+
+
+def sqlite_prefix(schema: str) -> str:
+    """The table prefix standing in for ``schema`` on SQLite: ``conveyor`` → ``conveyor_``."""
+    return f"{schema}_"
 
 
 def _log_level(value: str) -> str:
@@ -191,7 +207,7 @@ class ConveyorSettings(BaseSettings):
     flower_password: str | None = None
 
     # Database connections of a host that is cut off (or of a server that is): libpq's TCP
-    # keepalives, see conveyor.db.engine.keepalive_args.
+    # keepalives, see conveyor.store.db.engine.keepalive_args.
     db_keepalives_idle: int = Field(
         30, ge=1, description="a silent database connection is probed after this many seconds"
     )

@@ -1,6 +1,6 @@
 """Stage declarations: the typed payload and the policy, and how a Celery call maps onto them.
 
-The Celery task class that runs a stage is :class:`conveyor.task.StageTask`.
+The Celery task class that runs a stage is :class:`conveyor.worker.task.StageTask`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from conveyor.dedup import Dedup
 from conveyor.errors import PayloadInvalid, PayloadTooLarge
 from conveyor.retry import Backoff, RetryPolicy
 
-# ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.context.JobContext`.
+# ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.worker.context.JobContext`.
 StageFn = Callable[[Any, Any], Any]
 
 

@@ -4,24 +4,31 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Protocol
 
 from celery import Celery, Task
 from pydantic import BaseModel
 
-from conveyor.connections import Connections
 from conveyor.errors import ConfigurationError
 from conveyor.retry import Backoff, RetryPolicy
+from conveyor.settings import ConveyorSettings
 from conveyor.stage import StageFn, StageSpec
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*){2,}$")
+
+
+class Configured(Protocol):
+    """Whatever carries the deployment's settings (the platform's connections)."""
+
+    @property
+    def settings(self) -> ConveyorSettings: ...
 
 
 class Stages(dict[str, StageSpec]):
     """Every declared stage's :class:`StageSpec`, by name."""
 
     def __init__(
-        self, app: Celery, connections: Connections, *, queue_names: Collection[str], default_queue: str
+        self, app: Celery, connections: Configured, *, queue_names: Collection[str], default_queue: str
     ) -> None:
         super().__init__()
         self._app = app

@@ -1,7 +1,7 @@
 """Tracing: one OpenTelemetry trace per job, from its submit to its last continuation.
 
 Conveyor uses only the OpenTelemetry *API* (a no-op until a process installs an SDK
-``TracerProvider``). A submit opens a ``conveyor.submit`` span (a child of the caller's
+``TracerProvider``). A submit opens a ``conveyor.client.submit`` span (a child of the caller's
 current span, e.g. a web request's) and stores its context in the job row
 (``jobs.trace_context``: a W3C ``traceparent``/``tracestate`` carrier), in the submit's own
 transaction. Every publish and republish puts the row's context into the message headers

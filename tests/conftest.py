@@ -181,7 +181,7 @@ def tag() -> str:
 def on_sqlite(platform: Any, tmp_path: Any) -> Iterator[Any]:
     """The test platform pointed at a fresh SQLite file (same Redis), then back."""
     from config.migrations import upgrade
-    from conveyor.db.engine import make_engine, sqlite_url
+    from conveyor.store.db.engine import make_engine, sqlite_url
     from tests.helpers import bound_to
 
     url = sqlite_url(tmp_path)

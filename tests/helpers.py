@@ -12,7 +12,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from conveyor.db.schema import TERMINAL, dead_letters, jobs
+from conveyor.store.db.schema import TERMINAL, dead_letters, jobs
 from tasks.demo.models import effects
 
 
@@ -36,7 +36,7 @@ def job_row(platform: Any, job_id: str) -> Any:
 
 def database_now(platform: Any) -> dt.datetime:
     """The database's clock."""
-    from conveyor.db.dialect import db_now
+    from conveyor.store.db.dialect import db_now
 
     with platform.engine.connect() as conn:
         return conn.execute(select(db_now())).scalar_one()  # type: ignore[no-any-return]

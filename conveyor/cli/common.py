@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 from typer.core import TyperGroup
 
-from conveyor import cli_output as out
+from conveyor.cli import output as out
 from conveyor.deployment import import_object, load_app_module
 from conveyor.errors import NotRunning
 from conveyor.settings import ConveyorSettings
@@ -116,7 +116,7 @@ def load_platform(*, require_services: bool = True) -> Any:
 
 def attached_settings() -> ConveyorSettings:
     """The services to use: ``CONVEYOR_*`` URLs, else those of a running ``conveyor up``."""
-    from conveyor.services import attach_or_fail
+    from conveyor.delivery.services import attach_or_fail
 
     settings = ConveyorSettings()
     found = attach_or_fail(settings)
@@ -126,7 +126,7 @@ def attached_settings() -> ConveyorSettings:
 def attached_engine() -> Engine:
     """An engine on Conveyor's database for a command that needs nothing else of the
     platform (no deployment imported; waited for with ``--wait``). Dispose of it after."""
-    from conveyor.db.engine import make_engine
+    from conveyor.store.db.engine import make_engine
 
     settings = attached_settings()
     assert settings.database_url
@@ -145,13 +145,13 @@ def attached_engine() -> Engine:
 def migrate(platform: Any) -> None:
     """Upgrade the schema: the deployment's migrations (its app module's ``MIGRATIONS``)
     if it names them, else the platform's own; then register its stages."""
-    from conveyor import registry
+    from conveyor.client import registry
 
     path = getattr(load_app_module(), "MIGRATIONS", None)
     if path:
         upgrade: Callable[[Any], None] = import_path(path)
     else:
-        from conveyor.db.migrate import upgrade as upgrade
+        from conveyor.store.db.migrate import upgrade as upgrade
     upgrade(platform.engine)
     platform.app.loader.import_default_modules()
     registry.write(platform.engine, platform.stages.values())
@@ -164,7 +164,7 @@ def run_command(
 
     With ``wait`` (the command's ``--wait``), a locked or unreachable database is waited
     for that long, running ``fn`` again (only if ``repeat``: it must be safe to run twice;
-    otherwise call :func:`conveyor.cli_output.wait_until_writable` before the first write)
+    otherwise call :func:`conveyor.cli.output.wait_until_writable` before the first write)
     with a status line on stderr, then reported in one line (exit 2). ``read_only``: the
     command only reads, so on SQLite it never queues behind the writer.
     """

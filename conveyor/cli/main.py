@@ -1,7 +1,7 @@
 """``conveyor``: run the platform, inspect jobs, work the DLQ, run the self-check.
 
 The commands that run processes (``up``, ``worker``, ``beat``, ``flower``, ``demo``) are
-in :mod:`conveyor.cli_run`; the rest (``db``, ``jobs``, ``dlq``) are here.
+in :mod:`conveyor.cli.run`; the rest (``db``, ``jobs``, ``dlq``) are here.
 """
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import socket
 
 import typer
 
-from conveyor import cli_output as out
-from conveyor import (
-    cli_probe,  # noqa: F401  (registers probe)
-    cli_run,  # noqa: F401  (registers up, worker, beat, flower and demo)
-    cli_top,  # noqa: F401  (registers top)
-    cli_web,  # noqa: F401  (registers serve, openapi, tokens and stages)
+from conveyor.cli import output as out
+from conveyor.cli import (
+    probe,  # noqa: F401  (registers probe)
+    run,  # noqa: F401  (registers up, worker, beat, flower and demo)
+    top,  # noqa: F401  (registers top)
+    web,  # noqa: F401  (registers serve, openapi, tokens and stages)
 )
-from conveyor.cli_common import (
+from conveyor.cli.common import (
     attached_engine,
     cli,
     db_cli,
@@ -28,7 +28,7 @@ from conveyor.cli_common import (
     migrate,
     run_command,
 )
-from conveyor.cli_output import console, err, json_option, wait_option
+from conveyor.cli.output import console, err, json_option, wait_option
 from conveyor.errors import RetryRefused
 from conveyor.logs import configure_logging_on_first_record
 from conveyor.settings import ConveyorSettings
@@ -64,8 +64,8 @@ def jobs_list(
     def main() -> int:
         from sqlalchemy import select
 
-        from conveyor.db.engine import reading
-        from conveyor.db.schema import jobs
+        from conveyor.store.db.engine import reading
+        from conveyor.store.db.schema import jobs
 
         # Rows alone: no platform, so neither the deployment nor Celery is imported.
         engine = attached_engine()

@@ -258,7 +258,7 @@ class Waiter:
         take the writer) until :meth:`detach`: the CLI's process runs nothing else."""
         from sqlalchemy import event
 
-        from conveyor.db.dialect import READ_ONLY
+        from conveyor.store.db.dialect import READ_ONLY
 
         self.url = url
         if not event.contains(engine, "do_connect", _on_do_connect):
@@ -270,7 +270,7 @@ class Waiter:
 
     def detach(self) -> None:
         """Undo :meth:`attach` (the engine may outlive the command: tests run it in-process)."""
-        from conveyor.db.dialect import READ_ONLY
+        from conveyor.store.db.dialect import READ_ONLY
 
         for engine in self._engines:
             if self.read_only:

@@ -4,18 +4,18 @@
 does not consume now: its consumer's event loop has not ticked for ``--max-age`` seconds,
 or it waits for a service (readiness). With ``--live`` (liveness) it fails only when a
 worker's main loop is stuck: a worker waiting for its broker, Redis or Postgres ticks
-too, so an outage, however long, restarts no worker (see :mod:`conveyor.loop_probe`).
+too, so an outage, however long, restarts no worker (see :mod:`conveyor.worker.loop_probe`).
 It reads files only, never the services.
 
 ``conveyor probe beat`` passes when some beat holds the beat lock (this one, or another
-while this one stands by: see :mod:`conveyor.beat_lock`), so that the schedule fires.
+while this one stands by: see :mod:`conveyor.upkeep.beat_lock`), so that the schedule fires.
 """
 
 from __future__ import annotations
 
 import typer
 
-from conveyor.cli_common import cli
+from conveyor.cli.common import cli
 from conveyor.settings import ConveyorSettings
 
 probe_cli = typer.Typer(help="Health probes for containers (exit 0: healthy, 1: not).", no_args_is_help=True)
@@ -35,7 +35,7 @@ def probe_worker(
     ),
 ) -> None:
     """Whether this host's (container's) workers are consuming (with --live: alive)."""
-    from conveyor.loop_probe import check
+    from conveyor.worker.loop_probe import check
 
     ok, reason = check(ConveyorSettings().resolved_home(), max_age, live=live)
     typer.echo(reason, err=not ok)
@@ -45,7 +45,7 @@ def probe_worker(
 @probe_cli.command("beat")
 def probe_beat() -> None:
     """Whether a beat holds the beat lock, so the schedule fires (this beat or another)."""
-    from conveyor.beat_lock import BeatLock
+    from conveyor.upkeep.beat_lock import BeatLock
 
     try:
         held = BeatLock(ConveyorSettings()).held_anywhere()

@@ -19,10 +19,10 @@ from typing import Any
 import click
 import typer
 
-from conveyor.cli_common import cli, import_path, load_platform, migrate, run_command
-from conveyor.cli_output import console, err, shown_url
+from conveyor.cli.common import cli, import_path, load_platform, migrate, run_command
+from conveyor.cli.output import console, err, shown_url
+from conveyor.delivery.procs import terminate_with_parent
 from conveyor.errors import ConfigurationError
-from conveyor.procs import terminate_with_parent
 from conveyor.settings import ConveyorSettings
 
 
@@ -92,7 +92,7 @@ def _up_children(
 ) -> list[_Child]:
     """What ``conveyor up`` runs: a worker (with the relay), beat, the HTTP API on ``api``
     (host, port) and optionally Flower."""
-    from conveyor.procs import service_env, start_worker
+    from conveyor.delivery.procs import service_env, start_worker
 
     settings = platform.settings
     queues = [q.name for q in platform.queues]
@@ -147,8 +147,8 @@ def _up_children(
 def _wait_for_database(platform: Any) -> None:
     """Before migrating: a database that does not answer yet (an outage, a server still
     starting) is waited for, with a status line, never given up on."""
-    from conveyor.cli_output import status
-    from conveyor.startup import database_answers, database_at, wait_for
+    from conveyor.cli.output import status
+    from conveyor.delivery.startup import database_answers, database_at, wait_for
 
     engine = platform.engine
     wait_for(database_at(platform.settings.database_url), lambda: database_answers(engine), say=status)
@@ -159,7 +159,7 @@ def _stop_leftovers(home: Path) -> None:
     other children got SIGTERM when it died): stop it before starting anew."""
     from urllib.parse import urlparse
 
-    from conveyor.embedded import EmbeddedRedis
+    from conveyor.delivery.embedded import EmbeddedRedis
     from conveyor.runfile import pid_alive, stale_run
 
     stale = stale_run(home)
@@ -216,9 +216,9 @@ def up(
     """
 
     def main() -> int:
-        from conveyor.procs import stop
+        from conveyor.delivery.procs import stop
+        from conveyor.delivery.services import attach, start_embedded
         from conveyor.runfile import RunInfo, claim_run, release_run
-        from conveyor.services import attach, start_embedded
 
         base = ConveyorSettings()
         home = base.resolved_home()
@@ -294,13 +294,13 @@ def worker(
     def main() -> int:
         platform = load_platform()
         if metrics_port:
-            from conveyor.gauges import StateCollector
             from conveyor.metrics import serve
+            from conveyor.upkeep.gauges import StateCollector
 
             state = StateCollector(platform.connections, [q.name for q in platform.queues])
             serve(metrics_port, str(platform.metrics.enable()), [state])
-        from conveyor.loop_probe import LoopTicks
-        from conveyor.shutdown import BoundedShutdown
+        from conveyor.worker.loop_probe import LoopTicks
+        from conveyor.worker.shutdown import BoundedShutdown
 
         # `conveyor probe worker` reads what this step writes from the consumer's loop.
         platform.app.steps["consumer"].add(LoopTicks)
@@ -323,11 +323,11 @@ def worker(
 @cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def beat(ctx: typer.Context) -> None:
     """Run celery beat (in-memory schedule state: no shelve file), once in the cluster: it
-    fires only while it holds the beat lock (:mod:`conveyor.beat_lock`); a second beat
+    fires only while it holds the beat lock (:mod:`conveyor.upkeep.beat_lock`); a second beat
     stands by until the first is gone."""
 
     def main() -> int:
-        from conveyor.beat_lock import BeatLock
+        from conveyor.upkeep.beat_lock import BeatLock
 
         platform = load_platform()
         lock = BeatLock(platform.settings)
@@ -366,7 +366,7 @@ def _flower_process(
     arguments to every local user); ``FLOWER_*`` variables and ``flowerconfig.py`` files
     are ignored so nothing can switch persistence or control back on.
     """
-    from conveyor.procs import service_env
+    from conveyor.delivery.procs import service_env
 
     chosen = password or settings.flower_password
     password = chosen or secrets.token_urlsafe(12)
@@ -407,7 +407,7 @@ def flower(
     """Run Flower, read-only and behind basic auth (never ``--persistent``: it pickles)."""
 
     def main() -> int:
-        from conveyor.procs import stop
+        from conveyor.delivery.procs import stop
 
         platform = load_platform()
         proc = _flower_process(
@@ -430,8 +430,8 @@ def demo(
     """Self-check: push a few hundred jobs through a real worker and assert the outcome."""
 
     def main() -> int:
-        from conveyor.procs import start_worker, stop
-        from conveyor.services import attach, start_embedded
+        from conveyor.delivery.procs import start_worker, stop
+        from conveyor.delivery.services import attach, start_embedded
 
         base = ConveyorSettings()
         services = attach(base)

@@ -12,22 +12,22 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from conveyor import cli_output as out
-from conveyor.cli_common import cli, run_command
-from conveyor.cli_output import console, json_option
+from conveyor.cli import output as out
+from conveyor.cli.common import cli, run_command
+from conveyor.cli.output import console, json_option
 from conveyor.settings import ConveyorSettings
 
 if TYPE_CHECKING:
     from rich.console import Group
 
-    from conveyor.gauges import State
+    from conveyor.upkeep.gauges import State
 
 PARKED = ("waiting_lease", "waiting_dedup", "throttled")
 
 
 def _queues(client: Any) -> list[str]:
     """The queues the registry's stages use (empty before a worker registered them)."""
-    from conveyor import registry
+    from conveyor.client import registry
     from conveyor.errors import ConfigurationError
 
     try:
@@ -86,7 +86,7 @@ def render(state: State, *, now: dt.datetime | None = None) -> Group:
 
 
 def _record(state: State) -> dict[str, Any]:
-    from conveyor.gauges import LIVE
+    from conveyor.upkeep.gauges import LIVE
 
     return {
         "queues": {
@@ -116,9 +116,9 @@ def top(
     def main() -> int:
         from rich.live import Live
 
-        from conveyor.client import Client
-        from conveyor.gauges import read_state
-        from conveyor.services import attach_or_fail
+        from conveyor.client.by_name import Client
+        from conveyor.delivery.services import attach_or_fail
+        from conveyor.upkeep.gauges import read_state
 
         settings = ConveyorSettings()
         found = attach_or_fail(settings)

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from conveyor import cli_output as out
-from conveyor.cli_common import attached_engine, attached_settings, cli, run_command
-from conveyor.cli_output import console, err, json_option, wait_option
+from conveyor.cli import output as out
+from conveyor.cli.common import attached_engine, attached_settings, cli, run_command
+from conveyor.cli.output import console, err, json_option, wait_option
 from conveyor.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from conveyor.tokens import Token
+    from conveyor.web.tokens import Token
 
 tokens_cli = typer.Typer(help="Bearer tokens of the HTTP API.", no_args_is_help=True)
 cli.add_typer(tokens_cli, name="tokens")
@@ -109,7 +109,7 @@ def tokens_create(
     """Create a token; its secret is printed once, here, and never again."""
 
     def main() -> int:
-        from conveyor import tokens
+        from conveyor.web import tokens
 
         engine = attached_engine()
         try:
@@ -142,7 +142,7 @@ def tokens_list(
     """Tokens, oldest first (never their secrets)."""
 
     def main() -> int:
-        from conveyor import tokens
+        from conveyor.web import tokens
 
         engine = attached_engine()
         try:
@@ -163,7 +163,7 @@ def tokens_revoke(token_id: str, wait: float = wait_option()) -> None:
     """Revoke a token (by its id, as `tokens list` shows it): it stops working at once."""
 
     def main() -> int:
-        from conveyor import tokens
+        from conveyor.web import tokens
 
         engine = attached_engine()
         try:
@@ -211,7 +211,7 @@ def stages_list(as_json: bool = json_option(), wait: float = wait_option()) -> N
     """The stages the deployment's workers registered: what a client may submit by name."""
 
     def main() -> int:
-        from conveyor import registry
+        from conveyor.client import registry
 
         engine = attached_engine()
         try:

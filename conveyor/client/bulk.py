@@ -1,8 +1,8 @@
 """Bulk submit: ``submit_many()`` records many jobs in a few transactions and publishes
 them through one pipelined Redis call per batch.
 
-The caller's side (the platform's :class:`conveyor.submit.Submitter` and the web app's
-:class:`conveyor.client.Client`) validates every payload and builds each job exactly as
+The caller's side (the platform's :class:`conveyor.client.submit.Submitter` and the web app's
+:class:`conveyor.client.by_name.Client`) validates every payload and builds each job exactly as
 ``submit()`` does; :class:`BulkSubmit` then records them:
 
 * Jobs whose stage has a dedup policy (or that the call gives one) go through
@@ -15,7 +15,7 @@ The caller's side (the platform's :class:`conveyor.submit.Submitter` and the web
   SQLite a loop of the ordinary inserts in one transaction per batch. The rows of jobs due
   now are inserted as already published under the current broker epoch (as ``submit()``'s
   are); once the batch has committed its messages go out through one pipeline
-  (:meth:`conveyor.broker.Broker.publish_many`). If Redis is away (no epoch) the rows are
+  (:meth:`conveyor.delivery.broker.Broker.publish_many`). If Redis is away (no epoch) the rows are
   inserted unpublished; if the publish fails they are marked unpublished: either way the
   relay publishes them (and ``republish_after`` covers a mark that failed too).
 * On Postgres, a batch with no idempotency key (nothing in it can conflict) commits on a
@@ -44,18 +44,18 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from conveyor import tracing
-from conveyor.broker import Outgoing
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import is_sqlite
-from conveyor.db.namespace import schema_of
-from conveyor.db.schema import jobs
+from conveyor.client.handle import JobHandle
+from conveyor.client.recorder import Recorder
 from conveyor.dedup import DedupPlan
+from conveyor.delivery.broker import Outgoing
+from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid, SubmitFailed, describe
-from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
-from conveyor.recorder import Recorder
-from conveyor.store import JobStore, NewJob
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import is_sqlite
+from conveyor.store.db.namespace import schema_of
+from conveyor.store.db.schema import jobs
+from conveyor.store.jobs import JobStore, NewJob
 
 log = logging.getLogger("conveyor.bulk")
 
@@ -93,7 +93,7 @@ class _Prepared:
 
 
 class Enqueuer(Protocol):
-    """What :class:`BulkSubmit` uses of a :class:`conveyor.submit.Submitter`."""
+    """What :class:`BulkSubmit` uses of a :class:`conveyor.client.submit.Submitter`."""
 
     connections: Connections
     recorder: Recorder

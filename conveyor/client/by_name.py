@@ -37,14 +37,21 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
-from conveyor import connect, registry
-from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
-from conveyor.celeryconfig import celery_config
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
-from conveyor.dlq import DeadLetterPage, DeadLetterQueue
-from conveyor.enlist import Enlistment
+from conveyor import connect
+from conveyor.client import registry
+from conveyor.client.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
+from conveyor.client.dlq import DeadLetterPage, DeadLetterQueue
+from conveyor.client.enlist import Enlistment
+from conveyor.client.followers import Followers
+from conveyor.client.handle import JobHandle
+from conveyor.client.owners import owned_key
+from conveyor.client.recorder import Recorder
+from conveyor.client.registry import RegisteredStage
+from conveyor.client.stops import Stops, report_revoked
+from conveyor.client.submit import Submitter, utc_or_none
+from conveyor.dedup import Dedup, DedupPlan, Reuse
+from conveyor.delivery.celeryconfig import celery_config
+from conveyor.delivery.connections import Connections
 from conveyor.errors import (
     PayloadInvalid,
     RetryNeedsDeployment,
@@ -53,18 +60,13 @@ from conveyor.errors import (
     UnknownStage,
     describe,
 )
-from conveyor.followers import Followers
-from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
-from conveyor.owners import owned_key
-from conveyor.recorder import Recorder
-from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
 from conveyor.stage import checked_size
 from conveyor.stages import Stages
-from conveyor.stops import Stops, report_revoked
-from conveyor.store import JobStore, NewJob
-from conveyor.submit import Submitter, utc_or_none
+from conveyor.store.db import schema as s
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, NewJob
 
 
 class _Settles:

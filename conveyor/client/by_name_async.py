@@ -1,6 +1,6 @@
 """The client for asyncio apps (ASGI: FastAPI, Starlette, Django's async views).
 
-Each call runs the synchronous :class:`conveyor.client.Client` in a worker thread
+Each call runs the synchronous :class:`conveyor.client.by_name.Client` in a worker thread
 (``asyncio.to_thread``), so the event loop never waits on Postgres or Redis: a submit is a
 round trip or two, and ``wait`` blocks only its own thread. To join your own transaction,
 submit inside ``await session.run_sync(lambda s: client.sync.submit(..., session=s))``.
@@ -17,17 +17,17 @@ from pydantic import BaseModel
 from sqlalchemy.engine import RowMapping
 
 from conveyor import connect
-from conveyor.client import DeadLetters
+from conveyor.client.by_name import DeadLetters
+from conveyor.client.dlq import DeadLetterPage
+from conveyor.client.handle import JobEvent, JobHandle
+from conveyor.client.registry import RegisteredStage
 from conveyor.dedup import Reuse
-from conveyor.dlq import DeadLetterPage
-from conveyor.handle import JobEvent, JobHandle
-from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
-from conveyor.store import Row
+from conveyor.store.jobs import Row
 
 
 class AsyncJobHandle:
-    """A :class:`conveyor.handle.JobHandle` whose reads are awaited."""
+    """A :class:`conveyor.client.handle.JobHandle` whose reads are awaited."""
 
     def __init__(self, handle: JobHandle) -> None:
         self.sync = handle
@@ -64,7 +64,7 @@ class AsyncJobHandle:
 
 
 class AsyncDeadLetters:
-    """:class:`conveyor.client.DeadLetters`, awaited."""
+    """:class:`conveyor.client.by_name.DeadLetters`, awaited."""
 
     def __init__(self, dead_letters: DeadLetters) -> None:
         self.sync = dead_letters
@@ -79,7 +79,7 @@ class AsyncDeadLetters:
 
 
 class AsyncClient:
-    """:class:`conveyor.client.Client` for asyncio code; the same options and errors."""
+    """:class:`conveyor.client.by_name.Client` for asyncio code; the same options and errors."""
 
     def __init__(
         self,

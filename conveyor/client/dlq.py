@@ -21,18 +21,19 @@ from sqlalchemy import and_, delete, func, select, update
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.exc import DBAPIError
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus
-from conveyor.db.engine import reading
-from conveyor.db.schema import dead_letters, jobs
-from conveyor.dedup import PLAN_OPTION, Dedup, Deduplicator, DedupPlan, Reuse
+from conveyor.client.recorder import Recorder
+from conveyor.client.registry import RegisteredStage
+from conveyor.dedup import PLAN_OPTION, Dedup, DedupPlan, Reuse
+from conveyor.delivery.connections import Connections
 from conveyor.errors import ConfigurationError, RetryNeedsDeployment, RetryRefused, UnknownStage
-from conveyor.recorder import Recorder
-from conveyor.registry import RegisteredStage
 from conveyor.stage import StageSpec
 from conveyor.stages import Stages
-from conveyor.store import JobStore, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import dead_letters, jobs
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, new_event
 
 log = logging.getLogger("conveyor.dlq")
 

@@ -13,7 +13,7 @@ when the holder is terminal:
   itself and runs (or follows whichever live job took the id meanwhile).
 
 This module stores followers and finds them. Settling them is the worker side's
-(:meth:`conveyor.flow.Flow.resolve`), right after the holder's terminal commit and, as
+(:meth:`conveyor.worker.flow.Flow.resolve`), right after the holder's terminal commit and, as
 the safety net for a crash in between, by the reconciler. A caller that ends or follows a
 job reaches it through :class:`Settles`, given to it by the platform.
 """
@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 from sqlalchemy import Connection, exists, insert, select, update
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
-from conveyor.db.schema import dedup_followers, jobs
-from conveyor.store import JobStore, NewJob, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.schema import dedup_followers, jobs
+from conveyor.store.jobs import JobStore, NewJob, new_event
 
 FLOW_OPTIONS = ("chain", "link", "chord", "group_id")
 
@@ -39,7 +39,7 @@ def has_flow(options: dict[str, Any]) -> bool:
 
 class Settles(Protocol):
     """What happens once a job ended: its waiters are woken and its followers settled
-    (:class:`conveyor.flow.Flow`)."""
+    (:class:`conveyor.worker.flow.Flow`)."""
 
     def finished(self, job_id: str, status: str, *, dedup_key: str | None = None) -> None:
         """After a job's terminal transition committed."""

@@ -10,10 +10,10 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.engine import reading
-from conveyor.store import JobStore, Row
+from conveyor.delivery.connections import Connections
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import reading
+from conveyor.store.jobs import JobStore, Row
 
 POLL_WITHOUT_REDIS = 0.5  # wait() reads Postgres this often while Redis does not answer
 
@@ -33,7 +33,7 @@ class JobHandle:
     """What :meth:`Platform.submit` returns. ``deduplicated`` is True when an existing job
     (same idempotency key or canvas task id) was returned instead of a new one.
 
-    ``cancel`` is the platform's (:meth:`conveyor.stops.Stops.cancel`).
+    ``cancel`` is the platform's (:meth:`conveyor.client.stops.Stops.cancel`).
     """
 
     def __init__(

@@ -13,17 +13,18 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from sqlalchemy import Connection, select, update
 
-from conveyor.amqp import Unroutable
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import database_clock, db_now
-from conveyor.db.lane import Lane
-from conveyor.db.schema import jobs
-from conveyor.dedup import PLAN_OPTION, Dedup, Deduplicator, DedupPlan, Reuse
-from conveyor.followers import Followers
+from conveyor.client.followers import Followers
+from conveyor.dedup import PLAN_OPTION, Dedup, DedupPlan, Reuse
+from conveyor.delivery.amqp import Unroutable
+from conveyor.delivery.connections import Connections
 from conveyor.metrics import Metrics
 from conveyor.stage import StageSpec, checked_payload
-from conveyor.store import JobStore, NewJob, Row, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import database_clock, db_now
+from conveyor.store.db.lane import Lane
+from conveyor.store.db.schema import jobs
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, NewJob, Row, new_event
 
 log = logging.getLogger("conveyor.recorder")
 
@@ -70,7 +71,7 @@ class Recorder:
         return created
 
     def insert_on_lane(self, lane: Lane, new: NewJob, *, epoch: str | None) -> bool | None:
-        """:meth:`insert_job` as one prepared statement in autocommit (:mod:`conveyor.db.lane`);
+        """:meth:`insert_job` as one prepared statement in autocommit (:mod:`conveyor.store.db.lane`);
         None when ``new`` needs the full insert in a transaction."""
         if new.due_now and epoch is not None and new.status == s.QUEUED:
             new.published_epoch = epoch
@@ -154,7 +155,7 @@ class Recorder:
 
     def publish_new(self, new: NewJob, *, fast: bool = False) -> None:
         """Publish a freshly committed job. On failure the relay will publish it. With
-        ``fast`` (a submit), Redis gets one short try (:class:`conveyor.fastpath.FastPath`)."""
+        ``fast`` (a submit), Redis gets one short try (:class:`conveyor.delivery.fastpath.FastPath`)."""
         connections = self.connections
         try:
             if fast and connections.fast.down:

@@ -44,15 +44,15 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 from sqlalchemy import Connection, Engine, select
 
-from conveyor.db.dialect import db_now, upsert
-from conveyor.db.engine import reading
-from conveyor.db.namespace import table_exists
-from conveyor.db.schema import stages
+from conveyor.client.portable_dedup import model_value, policy_as_data, template_names
 from conveyor.dedup import Dedup
 from conveyor.errors import ConfigurationError, PayloadInvalid, UnknownStage
 from conveyor.errors import describe as describe_error
-from conveyor.portable_dedup import model_value, policy_as_data, template_names
 from conveyor.schema_errors import or_list, readable_schema_errors
+from conveyor.store.db.dialect import db_now, upsert
+from conveyor.store.db.engine import reading
+from conveyor.store.db.namespace import table_exists
+from conveyor.store.db.schema import stages
 
 log = logging.getLogger("conveyor.registry")
 

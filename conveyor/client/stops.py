@@ -4,7 +4,7 @@ A request is written to Postgres (``cancel_requested_at``, ``preempt_requested_a
 truth) and, after commit, to a fast flag in Redis that the running job's checkpoints and
 heartbeat read, plus a revoke of its current Celery task id. The running side of a stop
 (checkpoints, the interrupt signal, the lease hand-over) is the worker's: see
-:mod:`conveyor.leases` and :mod:`conveyor.heartbeat`.
+:mod:`conveyor.worker.leases` and :mod:`conveyor.worker.heartbeat`.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from celery.app.task import Context
 from celery.exceptions import TaskRevokedError
 from sqlalchemy import Connection, or_, select, update
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus
-from conveyor.db.engine import reading
-from conveyor.db.schema import jobs, leases
-from conveyor.followers import Settles
+from conveyor.client.followers import Settles
+from conveyor.delivery.connections import Connections
 from conveyor.stage import StageSpec, format_key
-from conveyor.store import JobStore, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import jobs, leases
+from conveyor.store.jobs import JobStore, new_event
 
 log = logging.getLogger("conveyor.stops")
 

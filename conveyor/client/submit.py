@@ -2,7 +2,7 @@
 transaction.
 
 A submit validates the payload against its stage's model, records the job (deduplicated,
-:mod:`conveyor.recorder`) in the caller's transaction when given one, else in its own,
+:mod:`conveyor.client.recorder`) in the caller's transaction when given one, else in its own,
 and publishes it once that committed. A duplicate never raises: it returns the holder's
 handle.
 """
@@ -28,22 +28,23 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import tracing
-from conveyor.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.namespace import use_schema
-from conveyor.dedup import Dedup, Deduplicator, DedupPlan, Reuse
-from conveyor.enlist import Enlistment
+from conveyor.client.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
+from conveyor.client.enlist import Enlistment
+from conveyor.client.followers import Settles, has_flow
+from conveyor.client.handle import JobHandle
+from conveyor.client.owners import owned_key
+from conveyor.client.recorder import Recorder
+from conveyor.client.stops import Stops
+from conveyor.dedup import Dedup, DedupPlan, Reuse
+from conveyor.delivery.connections import Connections
 from conveyor.errors import ConfigurationError, PayloadInvalid, SubmitFailed, describe, is_connection_loss
-from conveyor.followers import Settles, has_flow
-from conveyor.handle import JobHandle
 from conveyor.metrics import Metrics
-from conveyor.owners import owned_key
-from conveyor.recorder import Recorder
 from conveyor.stage import StageSpec, payload_from_call, signature_options
 from conveyor.stages import Stages
-from conveyor.stops import Stops
-from conveyor.store import JobStore, NewJob
+from conveyor.store.db import schema as s
+from conveyor.store.db.namespace import use_schema
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, NewJob
 
 log = logging.getLogger("conveyor.submit")
 
@@ -113,7 +114,7 @@ class Submitter:
         ``deduplicated=True``. ``dedup`` overrides the stage's declared policy (``False``
         turns it off); ``reuse`` applies to deterministic ids. A duplicate never raises:
         it returns the holder's handle. ``owner`` is recorded with the job (who may see it
-        over HTTP); it scopes ``idempotency_key`` to that owner (:mod:`conveyor.owners`).
+        over HTTP); it scopes ``idempotency_key`` to that owner (:mod:`conveyor.client.owners`).
         """
         key = owned_key(owner, idempotency_key)
         spec = self.stages.spec(stage)
@@ -159,7 +160,7 @@ class Submitter:
         this returns every job is in the database. A key seen before, or earlier in the
         call, returns the holder's handle with ``deduplicated=True``. A stage with a dedup
         policy (or ``dedup``) records its jobs one by one through :meth:`submit`'s own
-        path, so dedup answers exactly as there (:mod:`conveyor.bulk`).
+        path, so dedup answers exactly as there (:mod:`conveyor.client.bulk`).
         """
         spec = self.stages.spec(stage)
         keys = check_keys(len(payloads), idempotency_keys)
@@ -255,7 +256,7 @@ class Submitter:
     ) -> JobHandle:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed.
 
-        Inside a ``conveyor.submit`` span (a child of the caller's current span), whose
+        Inside a ``conveyor.client.submit`` span (a child of the caller's current span), whose
         context the row keeps: the job's trace (:mod:`conveyor.tracing`).
         """
         attributes = {"conveyor.stage": new.stage, "conveyor.job_id": new.id, "conveyor.queue": new.queue}

@@ -31,10 +31,10 @@ from typing import Any
 from kombu.entity import Exchange, Queue
 
 import conveyor
-from conveyor import registry
-from conveyor.client import Client
+from conveyor.client import registry
+from conveyor.client.by_name import Client
+from conveyor.client.registry import RegisteredStage
 from conveyor.errors import UnknownStage, describe
-from conveyor.registry import RegisteredStage
 from conveyor.settings import ConveyorSettings
 
 log = logging.getLogger("conveyor.contrib.celery")

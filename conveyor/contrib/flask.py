@@ -50,10 +50,10 @@ from flask import Flask, current_app, has_app_context
 from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session, scoped_session
 
-from conveyor.client import Client, DeadLetters
+from conveyor.client.by_name import Client, DeadLetters
+from conveyor.client.handle import JobHandle
 from conveyor.dedup import Reuse
 from conveyor.errors import ConfigurationError
-from conveyor.handle import JobHandle
 from conveyor.settings import ConveyorSettings
 
 if TYPE_CHECKING:

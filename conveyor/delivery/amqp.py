@@ -27,15 +27,15 @@ from typing import Any
 from kombu.entity import Exchange, Queue
 from sqlalchemy import Engine, select, update
 
-from conveyor.db.dialect import upsert
-from conveyor.db.schema import counters
+from conveyor.store.db.dialect import upsert
+from conveyor.store.db.schema import counters
 
 log = logging.getLogger("conveyor.amqp")
 
 QUORUM = {"x-queue-type": "quorum"}
 EPOCH_COUNTER = "broker_epoch"
 # RabbitMQ's epochs are told apart from Redis's (plain hex): a process whose broker is not
-# the workers' sees it in the epoch and leaves its jobs to the relay (conveyor.broker).
+# the workers' sees it in the epoch and leaves its jobs to the relay (conveyor.delivery.broker).
 EPOCH_PREFIX = "amqp-"
 
 

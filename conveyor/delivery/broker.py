@@ -18,12 +18,12 @@ from kombu.entity import Exchange, Queue
 from kombu.exceptions import ChannelError
 from redis import Redis
 
-from conveyor import amqp as rabbit
 from conveyor import tracing
-from conveyor.db.schema import IGNORE_RESULT
-from conveyor.fastpath import FastPath
-from conveyor.reprs import as_list, quick_kwargsrepr, repr_limits
-from conveyor.wakeups import Wakeups
+from conveyor.delivery import amqp as rabbit
+from conveyor.delivery.fastpath import FastPath
+from conveyor.delivery.reprs import as_list, quick_kwargsrepr, repr_limits
+from conveyor.delivery.wakeups import Wakeups
+from conveyor.store.db.schema import IGNORE_RESULT
 
 log = logging.getLogger("conveyor.broker")
 
@@ -50,7 +50,7 @@ class Broker:
     was declared. A job published under another epoch may have been lost with the old
     Redis, so the relay republishes it. kombu drops a publish silently while the exchange
     bindings are missing, so a publisher that finds no epoch declares first. With RabbitMQ
-    as the broker (``amqp``), the epoch is the broker's own (:class:`conveyor.amqp.AmqpEpoch`)
+    as the broker (``amqp``), the epoch is the broker's own (:class:`conveyor.delivery.amqp.AmqpEpoch`)
     and Redis only caches it; publishes are confirmed and mandatory.
     """
 
@@ -325,7 +325,7 @@ class Broker:
             None,
             options.get("chain"),
             # A job of submit() is awaited through its row: no result to store (see
-            # conveyor.celeryconfig); a chord member is still counted.
+            # conveyor.delivery.celeryconfig); a chord member is still counted.
             ignore_result=bool(options.get(IGNORE_RESULT)),
             argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
             kwargsrepr=quick_kwargsrepr(payload, *repr_limits(app)),
@@ -468,7 +468,7 @@ class Broker:
 
     def notify(self, job_id: str, status: str) -> None:
         """Wake anyone waiting on ``job_id`` (see :meth:`JobHandle.wait`); a hint sent
-        without awaiting a reply (:mod:`conveyor.wakeups`)."""
+        without awaiting a reply (:mod:`conveyor.delivery.wakeups`)."""
         self.wakeups.publish(self.wake_channel(job_id), status)
 
     def wake_channel(self, job_id: str) -> str:

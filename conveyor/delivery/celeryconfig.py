@@ -7,8 +7,8 @@ from typing import Any
 
 from kombu.entity import Exchange, Queue
 
+from conveyor.delivery.transport import NAME as TRANSPORT
 from conveyor.settings import ConveyorSettings
-from conveyor.transport import NAME as TRANSPORT
 
 JSON_ONLY = ["json"]
 PLACEHOLDER_BROKER = "redis://conveyor-not-configured.invalid:6379/0"
@@ -47,13 +47,13 @@ def celery_config(
       ``send_task``/canvases, and the chord counter. Jobs of ``submit()`` are published
       with Celery's ``ignore_result`` (their outcome is the job row, awaited through
       ``JobHandle.wait``), so they cost the backend nothing unless a chord counts them.
-    * ``redis://`` brokers go through :mod:`conveyor.transport` (kombu's, minus a client
+    * ``redis://`` brokers go through :mod:`conveyor.delivery.transport` (kombu's, minus a client
       object built per command).
     * RabbitMQ (``broker_url`` ``amqp://``): publisher confirms, and every publish
-      ``mandatory`` (:mod:`conveyor.amqp`); Redis stays the result backend. Celery uses
+      ``mandatory`` (:mod:`conveyor.delivery.amqp`); Redis stays the result backend. Celery uses
       per-consumer prefetch on quorum queues and ignores ``worker_disable_prefetch``, so
       Conveyor's consumer keeps one unacknowledged delivery per pool slot itself
-      (:mod:`conveyor.slots`).
+      (:mod:`conveyor.worker.slots`).
     * Task events are off unless ``task_events`` is set: about 0.5 ms of CPU per job in the
       worker's consumer, and the task-sent event a Redis publish per submit. Worker
       heartbeat events stay on, and Flower sends ``enable_events`` to every worker it
@@ -97,7 +97,7 @@ def celery_config(
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
-        # Celery applies it to Redis only (and warns otherwise); see conveyor.slots.
+        # Celery applies it to Redis only (and warns otherwise); see conveyor.worker.slots.
         "worker_disable_prefetch": not on_amqp,
         "worker_send_task_events": settings.task_events,
         "task_send_sent_event": settings.task_events,
@@ -118,7 +118,7 @@ def celery_config(
         "task_default_queue": default_queue,
         "task_routes": dict(routes or {}),
         "worker_state_db": None,
-        "beat_scheduler": "conveyor.beat_lock:Scheduler",
+        "beat_scheduler": "conveyor.upkeep.beat_lock:Scheduler",
         "timezone": "UTC",
         "enable_utc": True,
     }

@@ -21,15 +21,15 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 from sqlalchemy import Connection, Engine
 
-from conveyor.amqp import AmqpEpoch
-from conveyor.broker import Broker
-from conveyor.celeryconfig import PLACEHOLDER_BROKER, celery_config
-from conveyor.db.dialect import is_sqlite
-from conveyor.db.engine import keepalive_args, make_engine
-from conveyor.db.lane import Lane
+from conveyor.delivery.amqp import AmqpEpoch
+from conveyor.delivery.broker import Broker
+from conveyor.delivery.celeryconfig import PLACEHOLDER_BROKER, celery_config
+from conveyor.delivery.fastpath import FastPath
 from conveyor.errors import NotRunning
-from conveyor.fastpath import FastPath
 from conveyor.settings import ConveyorSettings
+from conveyor.store.db.dialect import is_sqlite
+from conveyor.store.db.engine import keepalive_args, make_engine
+from conveyor.store.db.lane import Lane
 
 # What ``celery_config`` derives from the service URLs (the rest of the app's config stays).
 BROKER_KEYS = (
@@ -137,7 +137,7 @@ class Connections:
     @property
     def lane(self) -> Lane | None:
         """The claim and completion statements on Postgres, below SQLAlchemy's execution
-        layer (:mod:`conveyor.db.lane`); None on SQLite."""
+        layer (:mod:`conveyor.store.db.lane`); None on SQLite."""
         engine = self.engine
         if self._lane is None or self._lane.engine is not engine:
             if is_sqlite(engine):

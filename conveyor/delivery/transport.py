@@ -8,7 +8,7 @@ redis-py's constructor is not cheap: about a tenth of a worker consumer's CPU pe
 a connection per command, so one object per channel and pool behaves the same.
 
 A worker notes each delivered job in its sorted set of deliveries
-(:class:`conveyor.liveness.Deliveries`), so the jobs of a worker found dead are sent
+(:class:`conveyor.store.liveness.Deliveries`), so the jobs of a worker found dead are sent
 again at once. With :func:`record_deliveries` the note joins kombu's transaction that puts
 the message in its unacked hash: the delivery and its note are written together, before
 the worker sees the message, and the consumer loop waits on one round trip instead of two.
@@ -27,7 +27,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 from kombu.utils.json import dumps
 
-NAME = "conveyor.transport:Transport"
+NAME = "conveyor.delivery.transport:Transport"
 
 
 @dataclass(frozen=True)

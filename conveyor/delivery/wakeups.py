@@ -1,7 +1,7 @@
 """Wake-ups of a job's waiters: one PUBLISH per terminal job, sent without awaiting a reply.
 
 The wake-up is a hint, not a record: Postgres already holds the outcome, and a waiter
-(:meth:`conveyor.handle.JobHandle.wait`) re-reads it at least every few seconds. So the
+(:meth:`conveyor.client.handle.JobHandle.wait`) re-reads it at least every few seconds. So the
 worker need not pay a round trip per job for it: each thread sends on its own connection
 in ``CLIENT REPLY OFF`` mode, where Redis sends nothing back. A send that fails reconnects
 and sends once more; a wake-up lost with a dying connection costs a waiter its next

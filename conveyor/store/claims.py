@@ -3,7 +3,7 @@
 A claim wins from ``queued``/``retrying``/``throttled`` when the job is due, unexpired and
 not cancelled, or takes over from ``running`` when the owner is known dead: a process of
 this node (host, boot and PID namespace) that is gone, or a lease that went stale while
-the database was reachable (:mod:`conveyor.liveness`). Every attempt starts by checking
+the database was reachable (:mod:`conveyor.store.liveness`). Every attempt starts by checking
 the job's cancel request and expiry, and with no stop request of the attempt before it.
 ``attempts`` is the fencing token and grows on every claim; ``uncounted`` counts the
 claims that did not count.
@@ -19,12 +19,12 @@ from typing import Any
 from sqlalchemy import Connection, and_, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus, is_sqlite, pg_statements
-from conveyor.db.schema import Row, job_events, jobs, new_event
-from conveyor.liveness import takeovers_allowed
 from conveyor.retry import requeue_delay
 from conveyor.runfile import local_pid, pid_alive
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus, is_sqlite, pg_statements
+from conveyor.store.db.schema import Row, job_events, jobs, new_event
+from conveyor.store.liveness import takeovers_allowed
 
 
 class ClaimOutcome(Enum):
@@ -55,7 +55,7 @@ def counted_attempts(row: Row) -> int:
 
 
 class Claims:
-    """The claim half of :class:`~conveyor.store.JobStore`, and the row primitives
+    """The claim half of :class:`~conveyor.store.jobs.JobStore`, and the row primitives
     (``get``, ``emit``, ``finish``) both halves use."""
 
     lease_timeout: float

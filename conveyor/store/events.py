@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from sqlalchemy import ColumnElement, Connection, Engine, select
 
-from conveyor.db.dialect import is_sqlite, pg_statements
-from conveyor.db.schema import job_events
+from conveyor.store.db.dialect import is_sqlite, pg_statements
+from conveyor.store.db.schema import job_events
 
 __all__ = ["EventCursor", "event_position", "resolve_cursor", "sequence_events"]
 

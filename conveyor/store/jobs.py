@@ -15,19 +15,19 @@ from sqlalchemy import Connection, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor import tracing
-from conveyor.claims import Claim, ClaimOutcome, Claims, counted_attempts
-from conveyor.db import schema as s
-from conveyor.db.dialect import (
+from conveyor.errors import describe
+from conveyor.logs import redact_text
+from conveyor.store.claims import Claim, ClaimOutcome, Claims, counted_attempts
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import (
     db_now,
     db_now_plus,
     is_sqlite,
     pg_statements,
     upsert,
 )
-from conveyor.db.schema import Row, dead_letters, job_events, jobs, new_event
-from conveyor.errors import describe
-from conveyor.events import EventCursor, event_position, resolve_cursor, sequence_events
-from conveyor.logs import redact_text
+from conveyor.store.db.schema import Row, dead_letters, job_events, jobs, new_event
+from conveyor.store.events import EventCursor, event_position, resolve_cursor, sequence_events
 
 __all__ = [
     "Claim",
@@ -53,7 +53,7 @@ class NewJob:
     id: str = field(default_factory=lambda: str(uuid.uuid4()))
     priority: int = 0
     label: str | None = None
-    idempotency_key: str | None = None  # as stored: an owner's is scoped (conveyor.owners)
+    idempotency_key: str | None = None  # as stored: an owner's is scoped (conveyor.client.owners)
     owner: str | None = None
     delay: float = 0.0  # relative: added to the database's clock
     expires_in: float | None = None
@@ -433,7 +433,7 @@ class JobStore(Claims):
         """Events after ``cursor`` in commit order, and the cursor to pass next time.
 
         Every event committed before the call is included (the sequencer runs first, see
-        :mod:`conveyor.events`); one still uncommitted comes in a later call, after these.
+        :mod:`conveyor.store.events`); one still uncommitted comes in a later call, after these.
         Each row has a ``position``: ``str(row["position"])`` is the cursor right after it.
         With no new events the cursor comes back unchanged (an old ``"txid:id"`` one in
         today's form).

@@ -30,8 +30,8 @@ from typing import Any
 from redis import Redis
 from sqlalchemy import ColumnElement, Connection, exists, or_, select, true
 
-from conveyor.db.dialect import db_now_ms, upsert
-from conveyor.db.schema import counters
+from conveyor.store.db.dialect import db_now_ms, upsert
+from conveyor.store.db.schema import counters
 
 log = logging.getLogger("conveyor.liveness")
 
@@ -111,7 +111,7 @@ class Deliveries:
 
     def taken_key(self, worker: str) -> str:
         """The sorted set of jobs delivered to ``worker`` (job id → time), which
-        :meth:`record` writes; ``conveyor.transport`` writes it with kombu's bookkeeping."""
+        :meth:`record` writes; ``conveyor.delivery.transport`` writes it with kombu's bookkeeping."""
         return self._taken(worker)
 
     def record(self, worker: str, job_id: str) -> None:

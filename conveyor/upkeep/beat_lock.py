@@ -26,9 +26,9 @@ from typing import Any
 from celery import beat as celery_beat
 from sqlalchemy.engine import make_url
 
-from conveyor.db.dialect import try_flock
-from conveyor.db.engine import normalize_url
 from conveyor.settings import ConveyorSettings
+from conveyor.store.db.dialect import try_flock
+from conveyor.store.db.engine import normalize_url
 
 log = logging.getLogger("conveyor.beat")
 
@@ -128,7 +128,7 @@ class BeatLock:
                     log.info("another beat holds the beat lock; standing by")
                     said = True
             except Exception as exc:  # the database away: keep waiting, it decides
-                from conveyor.startup import database_at
+                from conveyor.delivery.startup import database_at
 
                 self._drop()
                 detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

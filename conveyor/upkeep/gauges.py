@@ -21,11 +21,11 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.engine import RowMapping
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus
-from conveyor.db.engine import reading
-from conveyor.db.schema import dead_letters, job_events, jobs
+from conveyor.delivery.connections import Connections
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import dead_letters, job_events, jobs
 
 log = logging.getLogger("conveyor.metrics")
 

@@ -3,7 +3,7 @@
 A job whose lease went stale is requeued (or buried once its budget is spent); an overdue
 job expires; a stop request no checkpoint honoured is escalated to an interrupt; parked
 jobs whose lease key is free are unparked; followers of ended holders are settled; rows
-past retention are purged. See :mod:`conveyor.relay` for the pass that runs it.
+past retention are purged. See :mod:`conveyor.upkeep.relay` for the pass that runs it.
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from typing import Any
 
 from sqlalchemy import delete, exists, func, or_, select, tuple_, update
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus
-from conveyor.db.schema import dead_letters, dedup_keys, job_events, jobs
+from conveyor.client.followers import Followers
+from conveyor.client.recorder import Recorder
+from conveyor.delivery.connections import Connections
 from conveyor.errors import WorkerLost
-from conveyor.flow import Burial, Flow
-from conveyor.followers import Followers
-from conveyor.leases import Leases
-from conveyor.liveness import takeovers_allowed
 from conveyor.metrics import Metrics
-from conveyor.recorder import Recorder
 from conveyor.stages import Stages
-from conveyor.store import JobStore, counted_attempts, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus
+from conveyor.store.db.schema import dead_letters, dedup_keys, job_events, jobs
+from conveyor.store.jobs import JobStore, counted_attempts, new_event
+from conveyor.store.liveness import takeovers_allowed
+from conveyor.worker.flow import Burial, Flow
+from conveyor.worker.leases import Leases
 
 BATCH = 500  # rows per query of one pass
 # Rows of each table the retention purge deletes per pass: a pass every 2 s keeps up with

@@ -2,7 +2,7 @@
 
 Both run in one background thread of every worker (and of ``conveyor up``); an advisory
 lock makes sure only one process in the cluster does the work at a time. The reconciler's
-half of a pass is :mod:`conveyor.reconciler`.
+half of a pass is :mod:`conveyor.upkeep.reconciler`.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from typing import Any
 
 from sqlalchemy import and_, func, or_, select
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus, try_singleton_lock
-from conveyor.db.engine import brief_write
-from conveyor.db.schema import jobs
-from conveyor.dedup import Deduplicator
-from conveyor.dlq import DeadLetterQueue
+from conveyor.client.dlq import DeadLetterQueue
+from conveyor.delivery.connections import Connections
 from conveyor.errors import DatabaseBusy
-from conveyor.events import sequence_events
-from conveyor.flow import Flow
-from conveyor.liveness import Deliveries, Orphan, note_tick
-from conveyor.reconciler import BATCH, Reconciler, TickReport
-from conveyor.store import JobStore, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus, try_singleton_lock
+from conveyor.store.db.engine import brief_write
+from conveyor.store.db.schema import jobs
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.events import sequence_events
+from conveyor.store.jobs import JobStore, new_event
+from conveyor.store.liveness import Deliveries, Orphan, note_tick
+from conveyor.upkeep.reconciler import BATCH, Reconciler, TickReport
+from conveyor.worker.flow import Flow
 
 log = logging.getLogger("conveyor.relay")
 

@@ -22,11 +22,11 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import RedirectResponse
 from sqlalchemy import text
 
-from conveyor.client import Client
-from conveyor.db.engine import reading
-from conveyor.db.namespace import table_exists
-from conveyor.db.schema import tokens
+from conveyor.client.by_name import Client
 from conveyor.settings import ConveyorSettings
+from conveyor.store.db.engine import reading
+from conveyor.store.db.namespace import table_exists
+from conveyor.store.db.schema import tokens
 from conveyor.web import console, dead_letters, dry_run, events, jobs, problems
 from conveyor.web.auth import client_of
 from conveyor.web.limits import BodyLimit, HeldLimit, body_limit, streamed_routes

@@ -15,8 +15,8 @@ from typing import Annotated
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from conveyor import tokens
-from conveyor.client import Client
+from conveyor.client.by_name import Client
+from conveyor.web import tokens
 from conveyor.web.problems import Problem
 
 bearer = HTTPBearer(

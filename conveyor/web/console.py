@@ -34,9 +34,8 @@ from sqlalchemy import func, select
 from starlette.responses import HTMLResponse, RedirectResponse
 from starlette.status import HTTP_303_SEE_OTHER
 
-from conveyor import tokens
-from conveyor.db.engine import reading
-from conveyor.db.schema import (
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import (
     CANCELLED,
     DEAD,
     EXPIRED,
@@ -51,7 +50,7 @@ from conveyor.db.schema import (
     job_events,
     jobs,
 )
-from conveyor.web import dead_letters, events
+from conveyor.web import dead_letters, events, tokens
 from conveyor.web.auth import Caller, client_of
 from conveyor.web.events import FeedEvent
 from conveyor.web.feed import FeedFilter, body_field, head_cursor, owned_by

@@ -6,7 +6,7 @@ and the message's headers, which say more than a job's owner is shown of it, and
 issue makes dead-letter actions an operator's. Another owner's entry is therefore never
 hidden (an admin sees all), and an unknown id is 404.
 
-A retry is the client's (:class:`conveyor.client.DeadLetters`): it runs only for a stage
+A retry is the client's (:class:`conveyor.client.by_name.DeadLetters`): it runs only for a stage
 whose registry row says it has no ``on_retry`` hook, since a hook is deployment code the
 API does not have. Any other entry is answered 409 ``retry-needs-deployment`` and stays
 open for ``conveyor dlq retry``: a skipped hook would leave what ``on_dead`` recorded in
@@ -25,8 +25,8 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 from sqlalchemy.engine import RowMapping
 
-from conveyor import tokens
 from conveyor.errors import RetryNeedsDeployment, RetryRefused
+from conveyor.web import tokens
 from conveyor.web.auth import Caller, client_of, requires
 from conveyor.web.links import job_links, link
 from conveyor.web.models import STRICT, DateTime

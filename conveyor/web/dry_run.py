@@ -6,7 +6,7 @@ rules a submit and a worker's claim apply are read, never written:
 
 - ``idempotency_key``: the owner's key names an existing job (the submit would return it);
 - ``deduplicated``: the stage's dedup policy finds a live holder of the payload's key
-  (read as :meth:`conveyor.dedup.Deduplicator.acquire` decides; its id only when the
+  (read as :meth:`conveyor.store.dedup_keys.Deduplicator.acquire` decides; its id only when the
   caller may see that job);
 - ``delayed``: ``delay``/``run_at`` lies in the future; ``expired``: it expires first;
 - ``lease_held``: another live job holds the stage's lease key;
@@ -29,16 +29,16 @@ from sqlalchemy import and_, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from conveyor.client import Client
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
-from conveyor.db.engine import reading
-from conveyor.db.schema import dedup_keys, jobs, leases
-from conveyor.dedup import FAILED
+from conveyor.client.by_name import Client
+from conveyor.client.owners import owned_key
+from conveyor.client.registry import RegisteredStage
 from conveyor.errors import SubmitFailed, describe
-from conveyor.owners import owned_key
-from conveyor.registry import RegisteredStage
 from conveyor.stage import checked_size, format_key
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import dedup_keys, jobs, leases
+from conveyor.store.dedup_keys import FAILED
 from conveyor.web.auth import Caller, Submitter, client_of
 from conveyor.web.models import SubmitRequest
 from conveyor.web.problems import responses

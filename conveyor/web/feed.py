@@ -1,7 +1,7 @@
 """The event feed's reads: pages of the outbox (``job_events``) in commit order, filtered
 and scoped to an owner, with a cursor that resumes after them.
 
-Positions are gap-free in commit order (:mod:`conveyor.events`), so a page read up to the
+Positions are gap-free in commit order (:mod:`conveyor.store.events`), so a page read up to the
 outbox's head lets a filtered reader's cursor jump to that head: a reader of one sparse
 owner or job does not scan the same unrelated events again on its next read.
 
@@ -29,10 +29,10 @@ from sqlalchemy import (
     select,
 )
 
-from conveyor.db.engine import reading
-from conveyor.db.schema import job_events, jobs
-from conveyor.events import event_position, resolve_cursor, sequence_events
-from conveyor.store import parse_cursor
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import job_events, jobs
+from conveyor.store.events import event_position, resolve_cursor, sequence_events
+from conveyor.store.jobs import parse_cursor
 
 
 class CursorAhead(ValueError):

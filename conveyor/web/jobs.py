@@ -3,7 +3,7 @@
 Each request goes through the same :class:`conveyor.Client` an app uses: the same stage
 registry check, dedup and idempotency. A job belongs to the owner of the token that
 submitted it; another owner's job is answered 404, as if it did not exist, unless the
-token is ``admin``. An idempotency key is the owner's own (:mod:`conveyor.owners`).
+token is ``admin``. An idempotency key is the owner's own (:mod:`conveyor.client.owners`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Path, Query, Request, Response
 
 from conveyor import tracing
-from conveyor.client import Client
-from conveyor.db.schema import TERMINAL, Row
-from conveyor.handle import JobHandle
+from conveyor.client.by_name import Client
+from conveyor.client.handle import JobHandle
+from conveyor.store.db.schema import TERMINAL, Row
 from conveyor.web.auth import Caller, Reader, Submitter, client_of
 from conveyor.web.limits import held_limit
 from conveyor.web.links import job_links

@@ -7,10 +7,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
-from conveyor.claims import counted_attempts
-from conveyor.db.schema import Row
-from conveyor.handle import JobEvent
-from conveyor.owners import callers_key
+from conveyor.client.handle import JobEvent
+from conveyor.client.owners import callers_key
+from conveyor.store.claims import counted_attempts
+from conveyor.store.db.schema import Row
 
 TEN_YEARS = 10 * 365 * 86400.0  # bounds on relative times (the database's intervals overflow far later)
 

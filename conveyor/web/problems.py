@@ -156,7 +156,7 @@ def _from_conveyor(exc: Exception) -> Problem:
     if isinstance(exc, NotRunning):
         return unavailable("no database is configured")
     assert isinstance(exc, ConfigurationError)
-    # A stage whose dedup key only the deployment's code computes (see conveyor.registry).
+    # A stage whose dedup key only the deployment's code computes (see conveyor.client.registry).
     return Problem(422, "not-submittable", "Stage cannot be submitted here", str(exc))
 
 

@@ -3,8 +3,8 @@
 
 Both include the deployment's own endpoints: its app module (``CONVEYOR_APP``, loaded as
 the CLI loads it) names FastAPI routers by module path in ``HTTP_EXTENSIONS``, e.g.
-``{"files": "tasks.files.http:router"}`` (as its package names ``CLI_EXTENSIONS``, the
-command groups: :mod:`conveyor.cli_common`). Where there is no deployment (its module
+``{"files": "pipelines.files.http:router"}`` (as its package names ``CLI_EXTENSIONS``, the
+command groups: :mod:`conveyor.cli.common`). Where there is no deployment (its module
 cannot be imported) the core API is served, and one log line says so; a deployment that
 is there but broken fails the server at start, loudly.
 """

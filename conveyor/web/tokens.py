@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 from sqlalchemy import Engine, insert, select, update
 
-from conveyor.db.dialect import db_now
-from conveyor.db.engine import brief_write, reading
-from conveyor.db.schema import Row, tokens
+from conveyor.client.owners import checked_owner
 from conveyor.errors import DatabaseBusy, ScopeInvalid
-from conveyor.owners import checked_owner
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.engine import brief_write, reading
+from conveyor.store.db.schema import Row, tokens
 
 READ = "read"
 SUBMIT = "submit"

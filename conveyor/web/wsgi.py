@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
     from starlette.types import Receive, Scope, Send
 
-    from conveyor.client import Client
+    from conveyor.client.by_name import Client
 
 Environ = dict[str, Any]
 StartResponse = Callable[..., Any]

@@ -16,19 +16,19 @@ from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
 
 from conveyor import tracing
-from conveyor.connections import Connections
-from conveyor.context import JobContext
-from conveyor.continuations import Continuations
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
+from conveyor.delivery.connections import Connections
 from conveyor.errors import LeaseLost, describe, is_connection_loss, is_permanent
-from conveyor.flow import Flow
-from conveyor.heartbeat import Heartbeat
-from conveyor.leases import Leases
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
 from conveyor.stage import StageSpec
-from conveyor.store import JobStore, NewJob, Row, counted_attempts, format_traceback, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
+from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, format_traceback, new_event
+from conveyor.worker.context import JobContext
+from conveyor.worker.continuations import Continuations
+from conveyor.worker.flow import Flow
+from conveyor.worker.heartbeat import Heartbeat
+from conveyor.worker.leases import Leases
 
 log = logging.getLogger("conveyor.completion")
 

@@ -28,8 +28,8 @@ from typing import Any
 from celery.worker.consumer import Consumer as CeleryConsumer
 from vine import promise
 
-from conveyor.celeryconfig import CELERY_DEFAULT_QUEUE
-from conveyor.slots import Slots
+from conveyor.delivery.celeryconfig import CELERY_DEFAULT_QUEUE
+from conveyor.worker.slots import Slots
 
 log = logging.getLogger("conveyor.consumer")
 
@@ -74,7 +74,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         """Celery's wait for the broker (kombu retries for as long as it is away), with
         each of :attr:`while_waiting` called with this consumer at each miss and about
         every second of the pauses between tries (kombu's retry ``callback``): the
-        liveness tick of :class:`conveyor.loop_probe.LoopTicks`."""
+        liveness tick of :class:`conveyor.worker.loop_probe.LoopTicks`."""
         ensure, hooks = conn.ensure_connection, self.while_waiting
 
         def ensure_connection(*args: Any, callback: Callable[[], object] | None = None, **kwargs: Any) -> Any:
@@ -185,7 +185,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         headers["content_type"] = getattr(message, "content_type", None)
         headers["content_encoding"] = getattr(message, "content_encoding", None)
         try:
-            self.app.conveyor.runner.record_garbage(error_type, text, headers)
+            self.app.conveyor.worker.runner.record_garbage(error_type, text, headers)
         except Exception:
             log.warning("could not record a rejected message in the DLQ", exc_info=True)
         log.error("rejected message (%s): %s; headers recorded in the DLQ, body discarded", error_type, text)

@@ -12,14 +12,14 @@ from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 from structlog.stdlib import BoundLogger
 
-from conveyor.admission import Slot
-from conveyor.connections import Connections
-from conveyor.db.schema import RUNNING, jobs, leases
+from conveyor.client.stops import CANCEL, PREEMPT, Stops
+from conveyor.delivery.connections import Connections
 from conveyor.errors import Cancelled, LeaseLost, Preempted
-from conveyor.leases import Held
 from conveyor.logs import JobTokens, bind_job, job_logger, unbind_job
-from conveyor.stops import CANCEL, PREEMPT, Stops
-from conveyor.store import JobStore, new_event
+from conveyor.store.db.schema import RUNNING, jobs, leases
+from conveyor.store.jobs import JobStore, new_event
+from conveyor.worker.admission import Slot
+from conveyor.worker.leases import Held
 
 
 @dataclass(frozen=True)

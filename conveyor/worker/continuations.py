@@ -5,7 +5,7 @@ job's completion transaction, so a kill between the two can never strand a flow.
 are fixed by the canvas, so computing them again (a redelivered copy) finds the same jobs;
 a continuation that exists already belongs to a job completing again after a DLQ retry
 and runs again with the new input. Publishing them after commit is
-:meth:`conveyor.flow.Flow.publish_continuations`.
+:meth:`conveyor.worker.flow.Flow.publish_continuations`.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from celery import Signature, signature
 from sqlalchemy import Connection
 
 from conveyor import tracing
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.dedup import Deduplicator, DedupPlan
+from conveyor.client.followers import Followers
+from conveyor.client.recorder import Recorder
+from conveyor.dedup import DedupPlan
+from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid
-from conveyor.followers import Followers
 from conveyor.metrics import Metrics
-from conveyor.recorder import Recorder
 from conveyor.stage import kept_if_small, payload_from_call, signature_options
 from conveyor.stages import Stages
-from conveyor.store import JobStore, NewJob, Row
+from conveyor.store.db import schema as s
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, NewJob, Row
 
 
 class Continuations:

@@ -1,14 +1,14 @@
 """What follows a job's end, wherever it ended: its flow carries on.
 
 After a terminal commit, :meth:`Flow.finished` wakes the job's waiters, frees its cached
-dedup key and settles its followers (:mod:`conveyor.followers`). A job dead-lettered
+dedup key and settles its followers (:mod:`conveyor.client.followers`). A job dead-lettered
 outside its body (a lost worker, a hard time limit, a follower of a dead holder) is
 *buried*: its stage's ``on_dead`` hook may carry the flow on with a result, otherwise a
 chord member fails its chord, as Celery would. Failures no worker reported are stored in
 the result backend so ``AsyncResult.get()`` raises instead of waiting.
 
 The runner, the reconciler and the relay call this; so does a caller's ``cancel()`` or
-``submit()``, through :class:`conveyor.followers.Settles`.
+``submit()``, through :class:`conveyor.client.followers.Settles`.
 """
 
 from __future__ import annotations
@@ -21,21 +21,21 @@ from typing import Any
 from celery.app.task import Context
 from sqlalchemy import Connection, select, update
 
-from conveyor.connections import Connections
-from conveyor.continuations import Continuations
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, is_sqlite
-from conveyor.db.engine import reading
-from conveyor.db.schema import dedup_followers, jobs
-from conveyor.dedup import Deduplicator
+from conveyor.client.followers import Followers
+from conveyor.client.recorder import Recorder
+from conveyor.client.stops import report_revoked
+from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid, PayloadTooLarge, PermanentError, RequeuesExhausted, WorkerLost
-from conveyor.followers import Followers
 from conveyor.metrics import Metrics
-from conveyor.recorder import Recorder
 from conveyor.stage import to_jsonable
 from conveyor.stages import Stages
-from conveyor.stops import report_revoked
-from conveyor.store import JobStore, NewJob, Row, counted_attempts, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, is_sqlite
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import dedup_followers, jobs
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, new_event
+from conveyor.worker.continuations import Continuations
 
 log = logging.getLogger("conveyor.flow")
 
@@ -333,7 +333,7 @@ class Flow:
 
         Returns ``"released"``, ``"exhausted"`` (dead-lettered) or ``"refused"`` (the
         attempt no longer owns the job: it finished, or was taken over). Raises when the
-        database is out of reach (:meth:`conveyor.heartbeat.Heartbeat.requeue_uncounted`
+        database is out of reach (:meth:`conveyor.worker.heartbeat.Heartbeat.requeue_uncounted`
         retries it later).
         """
         with self.connections.engine.begin() as conn:

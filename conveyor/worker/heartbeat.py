@@ -24,15 +24,15 @@ import threading
 import time
 from typing import Any
 
-from conveyor.admission import Admission
-from conveyor.connections import Connections
-from conveyor.context import JobContext
-from conveyor.db.engine import brief_write
+from conveyor.client.stops import CANCEL, PREEMPT, Stops
+from conveyor.delivery.connections import Connections
 from conveyor.errors import Cancelled, DatabaseBusy, Preempted, is_connection_loss
-from conveyor.flow import Flow
-from conveyor.leases import Leases
-from conveyor.stops import CANCEL, PREEMPT, Stops
-from conveyor.store import JobStore
+from conveyor.store.db.engine import brief_write
+from conveyor.store.jobs import JobStore
+from conveyor.worker.admission import Admission
+from conveyor.worker.context import JobContext
+from conveyor.worker.flow import Flow
+from conveyor.worker.leases import Leases
 
 log = logging.getLogger("conveyor.heartbeat")
 
@@ -90,7 +90,7 @@ class Heartbeat:
 
     def requeue_uncounted(self, job_id: str, attempt: int, owner: str, reason: str) -> str:
         """Requeue an attempt stopped by an outage or a shutdown without counting it (see
-        :meth:`conveyor.flow.Flow.requeue_uncounted`); with the database unreachable, this
+        :meth:`conveyor.worker.flow.Flow.requeue_uncounted`); with the database unreachable, this
         thread does it once the database answers again (``"deferred"``)."""
         try:
             return self.flow.requeue_uncounted(job_id, attempt, owner, reason)
@@ -208,7 +208,7 @@ class Heartbeat:
             # SQLite, and a long transaction (a stage body's) holds the single writer: skip
             # this beat rather than queue behind it. Nobody can take the job over while the
             # writer is held, and once it is free the relay's pass clock holds takeovers
-            # until heartbeats had a lease timeout to resume (conveyor.liveness).
+            # until heartbeats had a lease timeout to resume (conveyor.store.liveness).
             log.debug("heartbeat of %s skipped: the SQLite writer is busy", ctx.job_id)
         if ctx.slot is not None:
             self.admission.renew(ctx.slot)

@@ -10,7 +10,7 @@ checkpoint within its grace period is interrupted by a worker control command th
 signals exactly the child running that job and attempt. Only a preemptor whose request
 is in flight waits inside its slot, woken by ``BLPOP`` on the key's wake list.
 
-The requests and the stop flags themselves are :mod:`conveyor.stops` (a caller's
+The requests and the stop flags themselves are :mod:`conveyor.client.stops` (a caller's
 ``cancel()`` and a submit's preemption raise them too); this module is the holder's side.
 """
 
@@ -25,15 +25,15 @@ from celery.exceptions import Ignore
 from sqlalchemy import Connection, and_, or_, select, update
 from sqlalchemy.engine import RowMapping
 
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus, next_seq, upsert
-from conveyor.db.schema import jobs, leases
-from conveyor.recorder import Recorder
+from conveyor.client.recorder import Recorder
+from conveyor.client.stops import PREEMPT, Stops
+from conveyor.delivery.connections import Connections
 from conveyor.runfile import lease_owner
 from conveyor.stage import StageSpec, format_key
-from conveyor.stops import PREEMPT, Stops
-from conveyor.store import JobStore, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus, next_seq, upsert
+from conveyor.store.db.schema import jobs, leases
+from conveyor.store.jobs import JobStore, new_event
 
 log = logging.getLogger("conveyor.leases")
 

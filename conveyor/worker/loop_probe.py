@@ -136,7 +136,7 @@ class LoopTicks(bootsteps.StartStopStep):  # type: ignore[misc]
     :data:`TICK_INTERVAL`; the file goes when the worker stops cleanly. A reconnect
     stops and starts the consumer's steps again: while kombu retries the broker, its
     retry loop ticks ``waiting for the broker`` instead (the consumer's ``while_waiting``,
-    :class:`conveyor.consumer.Consumer`)."""
+    :class:`conveyor.worker.consumer.Consumer`)."""
 
     requires = {"celery.worker.consumer.tasks:Tasks"}
 

@@ -1,8 +1,8 @@
 """The stage lifecycle inside a worker: claim → body → one completion transaction.
 
 The runner claims the delivered message's job, runs the body beside its heartbeat and
-hands the outcome to :class:`conveyor.completion.Completion`; what follows a job's end
-(continuations, followers, burials) is :class:`conveyor.flow.Flow`'s. Each of them calls
+hands the outcome to :class:`conveyor.worker.completion.Completion`; what follows a job's end
+(continuations, followers, burials) is :class:`conveyor.worker.flow.Flow`'s. Each of them calls
 down (store, leases, dedup, broker), never back up.
 """
 
@@ -17,13 +17,10 @@ from celery import Task
 from celery.exceptions import Ignore, Reject
 
 from conveyor import tracing
-from conveyor.admission import Admission, Slot
-from conveyor.broker import JOB_HEADER
-from conveyor.completion import Completion
-from conveyor.connections import Connections
-from conveyor.context import ContextServices, JobContext
-from conveyor.db import schema as s
-from conveyor.dedup import Deduplicator
+from conveyor.client.recorder import Recorder
+from conveyor.client.stops import Stops
+from conveyor.delivery.broker import JOB_HEADER
+from conveyor.delivery.connections import Connections
 from conveyor.errors import (
     Cancelled,
     Interrupted,
@@ -34,15 +31,18 @@ from conveyor.errors import (
     is_own_outage,
     is_stopped_by_worker,
 )
-from conveyor.flow import Flow
-from conveyor.heartbeat import Heartbeat
-from conveyor.leases import Leases
 from conveyor.metrics import Metrics
-from conveyor.recorder import Recorder
 from conveyor.runfile import lease_owner
 from conveyor.stage import StageSpec, kept_if_small, payload_from_call, to_jsonable
-from conveyor.stops import Stops
-from conveyor.store import Claim, ClaimOutcome, JobStore, NewJob, Row, new_event
+from conveyor.store.db import schema as s
+from conveyor.store.dedup_keys import Deduplicator
+from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, new_event
+from conveyor.worker.admission import Admission, Slot
+from conveyor.worker.completion import Completion
+from conveyor.worker.context import ContextServices, JobContext
+from conveyor.worker.flow import Flow
+from conveyor.worker.heartbeat import Heartbeat
+from conveyor.worker.leases import Leases
 
 log = logging.getLogger("conveyor.runner")
 

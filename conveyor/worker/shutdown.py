@@ -40,12 +40,12 @@ from celery import signals
 from celery.worker import state as worker_state
 from sqlalchemy import or_, select
 
-from conveyor.broker import JOB_HEADER
-from conveyor.connections import Connections
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
-from conveyor.flow import Flow
+from conveyor.delivery.broker import JOB_HEADER
+from conveyor.delivery.connections import Connections
 from conveyor.runfile import owner_id
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
+from conveyor.worker.flow import Flow
 
 log = logging.getLogger("conveyor.shutdown")
 

@@ -15,23 +15,40 @@ from celery.worker import state as worker_state
 from celery.worker.control import control_command
 from redis import Redis
 
-from conveyor import registry, tracing, transport
-from conveyor.broker import JOB_HEADER
-from conveyor.celeryconfig import celery_default_queue
-from conveyor.connections import Connections
+from conveyor import tracing
+from conveyor.client import registry
+from conveyor.delivery import transport
+from conveyor.delivery.broker import JOB_HEADER
+from conveyor.delivery.celeryconfig import celery_default_queue
+from conveyor.delivery.connections import Connections
+from conveyor.delivery.startup import (
+    database_answers,
+    database_at,
+    quick_redis,
+    redis_at,
+    redis_outage,
+    wait_for,
+)
 from conveyor.errors import ConfigurationError
-from conveyor.heartbeat import INTERRUPT_SIGNAL, Heartbeat
-from conveyor.liveness import Deliveries
 from conveyor.logs import configure_logging
-from conveyor.loop_probe import ticker
-from conveyor.relay import Relay
 from conveyor.runfile import owner_id
 from conveyor.settings import ConveyorSettings
-from conveyor.shutdown import request_job_id
 from conveyor.stage import StageSpec
-from conveyor.startup import database_answers, database_at, quick_redis, redis_at, redis_outage, wait_for
+from conveyor.store.liveness import Deliveries
+from conveyor.worker.heartbeat import INTERRUPT_SIGNAL, Heartbeat
+from conveyor.worker.loop_probe import ticker
+from conveyor.worker.shutdown import request_job_id
 
 log = logging.getLogger("conveyor.worker")
+
+
+class Background(Protocol):
+    """A thread of the main process the step starts and stops: the relay (and reconciler),
+    which is the upkeep side's, handed over by the platform."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class Configured(Protocol):
@@ -63,7 +80,7 @@ class Host(Configured, Protocol):
     @property
     def background(self) -> list[Any]: ...
 
-    def relay(self) -> Relay:
+    def relay(self) -> Background:
         """A new relay (and reconciler)."""
         ...
 
@@ -85,14 +102,14 @@ def check_redis_policy(redis: Redis) -> None:
 
 
 class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Waits at start for Redis and Postgres (:mod:`conveyor.startup`), refuses a Redis that
+    """Waits at start for Redis and Postgres (:mod:`conveyor.delivery.startup`), refuses a Redis that
     may evict keys, and runs the relay/reconciler thread in the main process."""
 
     requires = {"celery.worker.components:Pool"}
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         self.host: Host = worker.app.conveyor
-        self.relay: Relay | None = None
+        self.relay: Background | None = None
         # Celery's node name may repeat across hosts (``celery@<hostname>``, pods sharing
         # a name, pid 1 in each container): the lease owner's node keeps it unique.
         self.worker_id = f"{worker.hostname}:{owner_id()}"
@@ -184,7 +201,7 @@ class ConveyorStep(bootsteps.StartStopStep):  # type: ignore[misc]
 )
 def conveyor_interrupt(state: Any, job_id: str, attempt: int, task_id: str) -> dict[str, str]:
     """Escalation for a job asked to stop that reached no checkpoint: signal the pool
-    child running exactly this job's delivery (SIGUSR2, see ``conveyor.heartbeat``); the
+    child running exactly this job's delivery (SIGUSR2, see ``conveyor.worker.heartbeat``); the
     child raises only if the job and attempt it runs now carry a stop request. Never
     ``revoke(terminate=True)``: by then the process may be running another task."""
     for request in list(worker_state.active_requests):
@@ -243,7 +260,7 @@ def install(platform: Host) -> None:
     app = platform.app
     use_conveyor_logging(platform)
     app.steps["worker"].add(ConveyorStep)
-    app.conf.worker_consumer = "conveyor.consumer:Consumer"
+    app.conf.worker_consumer = "conveyor.worker.consumer:Consumer"
 
     def _reset_after_fork(**_: Any) -> None:
         # Pool children must not share the parent's sockets (SQLAlchemy pool, Redis).

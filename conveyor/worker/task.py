@@ -9,10 +9,10 @@ from celery import Task
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
-from conveyor.completion import Completion
-from conveyor.runner import Runner
+from conveyor.client.submit import Submitter
 from conveyor.stage import StageSpec
-from conveyor.submit import Submitter
+from conveyor.worker.completion import Completion
+from conveyor.worker.runner import Runner
 
 
 class StageRequest(Request):  # type: ignore[misc]
@@ -66,7 +66,7 @@ class StageTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,
     ) -> Any:
-        """Submit as ``submit()`` does (:class:`conveyor.submit.Submitter`); countdown/eta become
+        """Submit as ``submit()`` does (:class:`conveyor.client.submit.Submitter`); countdown/eta become
         ``run_at`` in the database."""
         handle = self.submitter.submit_call(
             self.spec,

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters, jobs
 from conveyor.platform import Platform
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters, jobs
 
 TIMEOUT = 150.0
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import typer
 
-from conveyor.cli import console, err, json_option, load_platform, run_command, wait_option
-from conveyor.cli_output import print_json, print_lines, print_table, records, retrying, wait_until_writable
+from conveyor.cli.main import console, err, json_option, load_platform, run_command, wait_option
+from conveyor.cli.output import print_json, print_lines, print_table, records, retrying, wait_until_writable
 
 # The models, SQLAlchemy and the pipeline are imported inside the commands: `conveyor
 # --help` imports this module to list the group.
@@ -45,7 +45,7 @@ def _owner(user: str | None) -> dict[str, Any]:
 def _counts(platform: Any, batch_id: str) -> dict[str, int]:
     from sqlalchemy import func, select
 
-    from conveyor.db.engine import reading
+    from conveyor.store.db.engine import reading
     from tasks.files.models import files
 
     with reading(platform.engine) as conn:

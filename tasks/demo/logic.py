@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Engine, func, insert, select
 
-from conveyor.db.dialect import db_now
+from conveyor.store.db.dialect import db_now
 from tasks.demo.models import effects
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from sqlalchemy import Column, Integer, MetaData, String, Table
 
-from conveyor.db.dialect import Timestamp
-from conveyor.db.namespace import SCHEMA, own
-from conveyor.db.schema import BigId
+from conveyor.store.db.dialect import Timestamp
+from conveyor.store.db.namespace import SCHEMA, own
+from conveyor.store.db.schema import BigId
 
 # In Conveyor's schema (a prefix on SQLite), beside the platform's tables.
 metadata = MetaData(schema=SCHEMA)

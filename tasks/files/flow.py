@@ -17,9 +17,9 @@ from typing import Any
 from sqlalchemy import Connection, Engine, and_, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
-from conveyor.db.dialect import db_now, db_now_plus
-from conveyor.db.engine import reading
-from conveyor.db.schema import RUNNING, jobs
+from conveyor.store.db.dialect import db_now, db_now_plus
+from conveyor.store.db.engine import reading
+from conveyor.store.db.schema import RUNNING, jobs
 from tasks.files.chunking import Chunk
 from tasks.files.embedding import pack_ids
 from tasks.files.models import (

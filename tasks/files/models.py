@@ -15,9 +15,9 @@ from sqlalchemy import (
     Text,
 )
 
-from conveyor.db.dialect import Timestamp
-from conveyor.db.namespace import SCHEMA, own
-from conveyor.db.schema import BigId
+from conveyor.store.db.dialect import Timestamp
+from conveyor.store.db.namespace import SCHEMA, own
+from conveyor.store.db.schema import BigId
 
 # In Conveyor's schema (a prefix on SQLite), beside the platform's tables.
 metadata = MetaData(schema=SCHEMA)

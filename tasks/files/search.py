@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from sqlalchemy import Connection, Engine, TextClause, func, select, text
 
-from conveyor.db.namespace import schema_of, sqlite_prefix
+from conveyor.store.db.namespace import schema_of, sqlite_prefix
 from tasks.files.embedding import Embedder
 from tasks.files.errors import EmbeddingModelMismatch
 from tasks.files.models import READY, chunks, file_vectors, files

@@ -21,14 +21,14 @@ from sqlalchemy import Connection, delete, select
 
 from config.settings import Settings, get_settings
 from conveyor.context import JobContext
-from conveyor.db.dialect import db_now_plus, relax_commit
-from conveyor.db.engine import reading
 from conveyor.errors import OutOfBounds, SkipJob, describe
-from conveyor.isolate import run_bounded
 from conveyor.logs import redact_text
 from conveyor.retry import Backoff
 from conveyor.shared import current_platform, stage
-from conveyor.store import new_event
+from conveyor.store.db.dialect import db_now_plus, relax_commit
+from conveyor.store.db.engine import reading
+from conveyor.store.jobs import new_event
+from conveyor.worker.isolate import run_bounded
 from tasks.files import flow
 from tasks.files.chunking import chunk_text, fit_chunks
 from tasks.files.embedding import Embedder, TokenBudget, embed_packed, load_embedder

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conveyor.procs import start_worker
+from conveyor.delivery.procs import start_worker
 from conveyor.settings import ConveyorSettings
 
 # Timers tests/conftest.py speeds up for every other test; a chaos run uses the defaults.

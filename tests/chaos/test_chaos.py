@@ -32,7 +32,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from conveyor.runfile import local_node
 from tests.chaos.checker import (
     ChaosResult,

@@ -9,7 +9,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from conveyor.store import NewJob
+from conveyor.store.jobs import NewJob
 from tasks.demo.logic import record_effect
 from tests.chaos.checker import ClaimLog, ExpectedJob, Kill, check, db_now, p95
 

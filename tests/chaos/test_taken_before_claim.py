@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from tests.chaos.checker import db_now
 from tests.chaos.cluster import Cluster, default_timer_env, wait_gone
 from tests.fault.servers import PrivateRedis, private_redis

@@ -29,9 +29,10 @@ import pytest
 from sqlalchemy import func, insert, select
 
 from config.migrations import upgrade
-from conveyor import registry, tokens
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
+from conveyor.client import registry
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
+from conveyor.web import tokens
 from tests.helpers import scratch_database, scratch_redis
 from tests.integration.http_support import serving
 

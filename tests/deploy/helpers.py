@@ -34,7 +34,7 @@ def load_all(path: Path) -> list[dict[str, Any]]:
 def assert_cli_accepts(command: list[str]) -> None:
     """``conveyor ...`` as a deploy file runs it: the sub-command and its options exist
     (parsed by the real CLI, with ``--help`` so nothing runs)."""
-    from conveyor.cli import cli
+    from conveyor.cli.main import cli
 
     assert command and command[0] == "conveyor", command
     result = CliRunner().invoke(cli, [*command[1:], "--help"])

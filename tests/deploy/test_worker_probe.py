@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from conveyor.loop_probe import workers
-from conveyor.procs import service_env, start_worker, stop
+from conveyor.delivery.procs import service_env, start_worker, stop
+from conveyor.worker.loop_probe import workers
 from tests.fault.conftest import wait_ready
 from tests.fault.servers import private_redis
 from tests.helpers import bound_to, cancelling_leftovers, eventually

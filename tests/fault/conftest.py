@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.procs import start_worker, stop
+from conveyor.delivery.procs import start_worker, stop
 from tests.helpers import cancelling_leftovers
 
 Spawn = Callable[..., subprocess.Popen[bytes]]

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import redis
 
-from conveyor.embedded import free_port
+from conveyor.delivery.embedded import free_port
 
 SYSTEM_REDIS = Path("/usr/bin/redis-server")
 PG_BIN = Path("/usr/lib/postgresql/15/bin")

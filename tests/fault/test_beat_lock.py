@@ -18,8 +18,8 @@ from typing import Any
 import psycopg
 import pytest
 
-from conveyor.beat_lock import BEAT_LOCK, BeatLock
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
+from conveyor.upkeep.beat_lock import BEAT_LOCK, BeatLock
 
 pytestmark = [pytest.mark.timeout(90), pytest.mark.fault]
 

@@ -12,7 +12,7 @@ import pytest
 from celery import chord
 
 import tasks.demo as demo
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.fault.conftest import Spawn
 from tests.helpers import discarded, effect_count, eventually, job_row, publish_again
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from pipelines.files import Upload
 from tasks.files.models import batches
 from tests.fault.conftest import Spawn

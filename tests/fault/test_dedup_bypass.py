@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import func, select
 
 import tasks.demo as demo
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 from tests.fault.conftest import Spawn
 from tests.helpers import discarded, effect_count, eventually, publish_again
 

@@ -9,7 +9,7 @@ completion would be accepted as the new one's.
 Each test starts its own cluster with ``wal_writer_delay=10s`` (the window wide open),
 autovacuum off and nothing else connected, so that nothing writes between the claim and
 ``pg_ctl stop -m immediate``. The job's insert commits synchronously and a CHECKPOINT puts
-it on disk; the claim runs the production path (the runner's :class:`~conveyor.db.lane.Lane`, one
+it on disk; the claim runs the production path (the runner's :class:`~conveyor.store.db.lane.Lane`, one
 autocommit statement); the server is stopped at once, started again, and the
 job is claimed the way a redelivered message would be once the old worker has vanished.
 """
@@ -23,12 +23,12 @@ import pytest
 from sqlalchemy import Engine
 
 from config.migrations import upgrade
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
-from conveyor.db.lane import Lane
-from conveyor.db.namespace import SCHEMA
-from conveyor.runner import lease_owner
-from conveyor.store import Claim, ClaimOutcome, JobStore, NewJob
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.lane import Lane
+from conveyor.store.db.namespace import SCHEMA
+from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob
+from conveyor.worker.runner import lease_owner
 from tests.fault.servers import private_postgres
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fault]
@@ -44,7 +44,7 @@ def old_async_claim() -> str:
 
     Taken from the migration itself; ``RETURNS SETOF jobs`` still fits the newer row type.
     """
-    mig = importlib.import_module("conveyor.migrations.versions.0006_throttled")
+    mig = importlib.import_module("conveyor.store.migrations.versions.0006_throttled")
     sql = str(mig.CLAIM).format(statuses="'queued', 'retrying', 'throttled'")
     assert "set_config('synchronous_commit', 'off', true)" in sql
     return sql

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.db.schema import job_events
+from conveyor.store.db.schema import job_events
 from pipelines.files import Upload, confirm, upload
 from tasks.files.models import files
 from tasks.files.stages import _settings, extract_stage

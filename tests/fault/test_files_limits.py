@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from pipelines.files import Upload, confirm, upload
 from tasks.files.models import files
 from tasks.files.stages import _settings, sweep_uploads

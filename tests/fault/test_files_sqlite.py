@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select, update
 
-from conveyor.db.engine import reading
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
+from conveyor.store.db.engine import reading
 from tasks.files.models import batches, files
 from tasks.files.stages import _settings
 from tests.fault.conftest import Spawn, children, memory_of
@@ -174,7 +174,7 @@ def test_a_chunk_attempt_killed_while_staging_leaves_no_chunks_behind(
     """SIGKILL half way through staging. Retried: the next attempt releases what the dead
     one staged, and the file ends ``ready`` with its chunks once. On the job's last
     attempt: nothing will adopt them, and the reconciler's sweep drains them all."""
-    from conveyor.db.schema import jobs
+    from conveyor.store.db.schema import jobs
     from pipelines.files import Upload, confirm, upload
     from tasks.files import flow
     from tasks.files.models import chunks, staging

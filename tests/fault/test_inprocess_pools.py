@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from conveyor.db import schema as s
-from conveyor.heartbeat import INTERRUPT_SIGNAL
-from conveyor.procs import start_worker, stop
-from conveyor.store import counted_attempts
+from conveyor.delivery.procs import start_worker, stop
+from conveyor.store.db import schema as s
+from conveyor.store.jobs import counted_attempts
+from conveyor.worker.heartbeat import INTERRUPT_SIGNAL
 from tests.fault.conftest import Spawn, wait_ready
 from tests.helpers import effect_count, eventually, job_row
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select, update
 
-from conveyor.db import schema as s
-from conveyor.db.schema import leases
-from conveyor.heartbeat import INTERRUPT_SIGNAL
-from conveyor.stops import PREEMPT
+from conveyor.client.stops import PREEMPT
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import leases
+from conveyor.worker.heartbeat import INTERRUPT_SIGNAL
 from tests.fault.conftest import Spawn
 from tests.fault.test_preemption import _markers
 from tests.helpers import dead_letter_for, effect_count, eventually, job_row

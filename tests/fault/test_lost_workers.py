@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import job_events
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from conveyor.settings import ConveyorSettings
-from conveyor.store import counted_attempts
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import job_events
+from conveyor.store.jobs import counted_attempts
 from tests.fault.conftest import Spawn, children, kill_group
 from tests.fault.servers import PrivateRedis, private_redis
 from tests.fault.test_shutdown import open_barrier, started

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import conveyor
 from config.migrations import upgrade
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
-from conveyor.procs import start_worker, stop
+from conveyor.delivery.procs import start_worker, stop
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
 from tests.fault.conftest import wait_ready
 from tests.fault.servers import PrivateRedis
 from tests.helpers import scratch_database

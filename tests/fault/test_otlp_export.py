@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import tasks.demo as demo
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.fault.conftest import Spawn
 from tests.helpers import eventually, job_row
 from tests.peers import OtlpCollector, Received, otlp_collector

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
-from conveyor.db.schema import job_events, jobs
-from conveyor.procs import service_env
-from conveyor.store import counted_attempts
+from conveyor.delivery.procs import service_env
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.schema import job_events, jobs
+from conveyor.store.jobs import counted_attempts
 from tasks.demo.models import effects
 from tests.fault.conftest import Spawn
 from tests.fault.servers import PrivatePostgres, PrivateRedis, private_postgres, private_redis
@@ -137,7 +137,7 @@ def test_postgres_down_ten_seconds_under_load(
     n = 150
     ids = _ids(_submitter(settings, tag, n))
     # The lease (3 s here) is far shorter than the outage: the database being unreachable
-    # must still not read as dead owners once it is back (conveyor.liveness).
+    # must still not read as dead owners once it is back (conveyor.store.liveness).
     spawn(settings=settings)
     eventually(lambda: _count(engine, s.SUCCEEDED, ids) >= 10, timeout=60)
     engine.dispose()

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import leases
-from conveyor.store import counted_attempts
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import leases
+from conveyor.store.jobs import counted_attempts
 from tasks.demo.models import effects
 from tests.fault.conftest import Spawn
 from tests.helpers import discarded, effect_count, eventually

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from conveyor.db import schema as s
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
+from conveyor.store.db import schema as s
 from tests.fault.conftest import wait_ready
 from tests.helpers import eventually
 

@@ -4,7 +4,7 @@ ever exits, and every job still succeeds with exactly one effect.
 Celery 5.7's ``on_connection_error_after_connected`` crashed the worker ("Unrecoverable
 error: AttributeError(\"'NoneType' object has no attribute 'hostname'\")") when the
 connection dropped while a delivery was unacknowledged and a BRPOP pending;
-``conveyor.consumer.Consumer`` contains that. Each variant restarts a private Redis ten
+``conveyor.worker.consumer.Consumer`` contains that. Each variant restarts a private Redis ten
 times, alternating SIGTERM (a clean shutdown) with SIGKILL, always with deliveries in
 flight: once without persistence (every restart wipes the queues) and once with
 ``appendonly yes``.
@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 from tests.fault.conftest import Spawn
 from tests.fault.servers import PrivateRedis, private_redis
 from tests.fault.test_outages import _effects_per_note

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from conveyor.db import schema as s
-from conveyor.store import counted_attempts
+from conveyor.store.db import schema as s
+from conveyor.store.jobs import counted_attempts
 from tests.fault.conftest import Spawn
 from tests.helpers import effect_count, eventually, job_row
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from conveyor.db import schema as s
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
+from conveyor.store.db import schema as s
 from tests.fault.conftest import Spawn
 from tests.helpers import effect_count, eventually
 

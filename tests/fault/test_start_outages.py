@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.db.engine import make_engine
-from conveyor.db.schema import stages
-from conveyor.embedded import free_port
-from conveyor.procs import start_worker, stop
+from conveyor.delivery.embedded import free_port
+from conveyor.delivery.procs import start_worker, stop
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.schema import stages
 from tests.fault.conftest import wait_ready
 from tests.fault.servers import PrivatePostgres, PrivateRedis, private_postgres
 from tests.helpers import bound_to, cancelling_leftovers, eventually

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
-from conveyor.embedded import free_port
-from conveyor.procs import service_env
+from conveyor.delivery.embedded import free_port
+from conveyor.delivery.procs import service_env
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 from tasks.demo.models import effects
 from tests.fault.conftest import Spawn
 from tests.fault.servers import PrivateRedis, private_redis

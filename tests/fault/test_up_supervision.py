@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conveyor.db import schema as s
 from conveyor.runfile import pid_alive
+from conveyor.store.db import schema as s
 from tests.helpers import effect_count, eventually, job_row
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.fault]

@@ -11,7 +11,7 @@ import pytest
 from celery import chain
 
 import tasks.demo as demo
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.fault.conftest import Spawn, kill_group
 from tests.helpers import dead_letter_for, effect_count, eventually, job_row
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.procs import service_env, start_worker
+from conveyor.delivery.procs import service_env, start_worker
 from tests.fault.conftest import wait_ready
 
 UNSHARE = shutil.which("unshare")

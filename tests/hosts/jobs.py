@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from conveyor.db.schema import job_events
+from conveyor.store.db.schema import job_events
 from tests.helpers import eventually, job_row, publish_again
 
 # Below the Redis client's 30 s socket timeout, which would end the barrier's BLPOP with a

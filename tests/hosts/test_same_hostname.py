@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
-from conveyor.db.schema import jobs
 from conveyor.runfile import local_node
-from conveyor.store import ClaimOutcome, NewJob
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.schema import jobs
+from conveyor.store.jobs import ClaimOutcome, NewJob
 from tests.conftest import ON_AMQP
 from tests.helpers import effect_count, eventually, job_row
 from tests.hosts.host import LEASE, TIMERS, Hosts, needs_unshare

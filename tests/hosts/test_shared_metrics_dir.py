@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from conveyor.runfile import local_node, owner_id
 from tests.hosts.host import needs_unshare, run_in
 

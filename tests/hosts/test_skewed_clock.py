@@ -14,9 +14,9 @@ import pytest
 import redis
 from sqlalchemy import select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import dedup_keys
 from conveyor.dedup import Dedup
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dedup_keys
 from tests.helpers import effect_count, eventually, job_row
 from tests.hosts.host import LEASE, TIMERS, Hosts, clock_offset, needs_unshare, run_in, skewed
 from tests.hosts.jobs import running_for, started, story, takeovers

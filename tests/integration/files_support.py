@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from conveyor.db.schema import job_events
+from conveyor.store.db.schema import job_events
 from pipelines.files import Upload
 from tasks.files import flow
 from tasks.files.models import batches, files
@@ -111,7 +111,7 @@ MESSY: list[tuple[str, bytes, str | None]] = [
 def check_messy(platform: Any, owner: str, ids: dict[str, str]) -> None:
     """Each messy document ended as :data:`MESSY` says, failures on attempt 1 with a message."""
 
-    from conveyor.db.schema import dead_letters, jobs
+    from conveyor.store.db.schema import dead_letters, jobs
 
     for name, _, error in MESSY:
         row = file_row(platform, ids[name])

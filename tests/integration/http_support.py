@@ -19,8 +19,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 import conveyor
-from conveyor import registry, tokens
-from conveyor.web import create_app
+from conveyor.client import registry
+from conveyor.web import create_app, tokens
 
 PROBLEM = "application/problem+json"
 CONVEYOR = str(Path(sys.executable).parent / "conveyor")

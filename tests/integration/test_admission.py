@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from conveyor.admission import Admission, RateLimit
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
+from conveyor.worker.admission import Admission, RateLimit
 from tests.helpers import job_row
 
 pytestmark = pytest.mark.timeout(120)

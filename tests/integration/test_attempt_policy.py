@@ -16,12 +16,12 @@ import sqlalchemy as sa
 from sqlalchemy import select, update
 from sqlalchemy.pool import NullPool
 
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
-from conveyor.db.schema import job_events, jobs
 from conveyor.errors import is_connection_loss, is_own_outage, is_permanent
 from conveyor.runfile import owner_id
-from conveyor.store import ClaimOutcome, NewJob, counted_attempts
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.schema import job_events, jobs
+from conveyor.store.jobs import ClaimOutcome, NewJob, counted_attempts
 from tests.helpers import dead_letter_for
 
 pytestmark = pytest.mark.timeout(120)

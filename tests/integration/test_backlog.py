@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, literal_column, select, update
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
-from conveyor.db.schema import job_events, jobs
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.schema import job_events, jobs
 from tests.helpers import discarded, eventually, publish_again
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.redis_broker]

@@ -19,9 +19,9 @@ from celery.result import AsyncResult
 from sqlalchemy import update
 
 import tasks.demo as demo
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
-from conveyor.db.schema import jobs
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.schema import jobs
 from tests.helpers import effect_count, eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, delete, insert, select
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now
-from conveyor.db.engine import make_engine, sqlite_url
-from conveyor.db.migrate import upgrade
 from conveyor.errors import LeaseLost
-from conveyor.liveness import RESUMED, TICK
-from conveyor.runner import lease_owner
-from conveyor.store import ClaimOutcome, JobStore, NewJob
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now
+from conveyor.store.db.engine import make_engine, sqlite_url
+from conveyor.store.db.migrate import upgrade
+from conveyor.store.jobs import ClaimOutcome, JobStore, NewJob
+from conveyor.store.liveness import RESUMED, TICK
+from conveyor.worker.runner import lease_owner
 from tasks.demo.models import effects
 from tasks.demo.models import metadata as demo_metadata
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 import pipelines.files as pf
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
 from tests.integration.files_support import TOPICS, completed, docs
 
 pytestmark = pytest.mark.timeout(300)
@@ -208,7 +208,7 @@ def test_files_submit_streams_each_path(
 ) -> None:
     from typer.testing import CliRunner
 
-    from tasks.files.cli import app
+    from pipelines.files.cli import app
 
     path = tmp_path / f"{tag}-sourdough.txt"
     path.write_text(TOPICS["sourdough"])

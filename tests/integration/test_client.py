@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy.orm import Session
 
 import conveyor
-from conveyor import registry
-from conveyor.db import schema as s
+from conveyor.client import registry
 from conveyor.errors import PayloadInvalid, UnknownStage
+from conveyor.store.db import schema as s
 from tests.helpers import effect_count
 
 pytestmark = pytest.mark.timeout(120)

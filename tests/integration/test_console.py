@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select, update
 
 import conveyor
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from conveyor.web import create_app
 from conveyor.web.console import COOKIE
 from tests.integration.http_support import Token, auth, problem, token_fixture

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from conveyor import tokens
+from conveyor.web import tokens
 from tasks.demo.logic import fix
 from tests.integration.http_support import serving
 

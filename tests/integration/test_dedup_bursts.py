@@ -13,9 +13,9 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from conveyor.db.schema import dedup_keys, jobs
 from conveyor.dedup import Dedup
-from conveyor.procs import service_env
+from conveyor.delivery.procs import service_env
+from conveyor.store.db.schema import dedup_keys, jobs
 from tests.integration.burst import TTL, burst
 
 pytestmark = pytest.mark.timeout(300)

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from sqlalchemy import update
 
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
 from conveyor.dedup import Dedup
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -17,9 +17,9 @@ from celery.beat import ScheduleEntry, Scheduler
 from sqlalchemy import select, update
 
 import tasks.demo as demo
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters, job_events, jobs
 from conveyor.errors import PermanentError, RetryRefused
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters, job_events, jobs
 from tests.helpers import dead_letter_for, effect_count, eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)

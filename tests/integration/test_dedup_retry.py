@@ -21,10 +21,10 @@ import pytest
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters, dedup_keys, jobs
 from conveyor.dedup import Dedup
 from conveyor.errors import RetryRefused
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters, dedup_keys, jobs
 from tests.helpers import cancelling_leftovers, dead_letter_for, job_row
 from tests.integration.http_support import Token, auth, problem, token_fixture
 

@@ -24,9 +24,9 @@ import pytest
 from celery import Celery
 from sqlalchemy import select
 
-from conveyor.celeryconfig import CELERY_DEFAULT_QUEUE
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters
+from conveyor.delivery.celeryconfig import CELERY_DEFAULT_QUEUE
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters
 from tests.helpers import eventually, job_row
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.redis_broker]

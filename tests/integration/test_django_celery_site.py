@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from conveyor import registry
+from conveyor.client import registry
 from tests.helpers import job_row
 
 pytestmark = pytest.mark.timeout(120)

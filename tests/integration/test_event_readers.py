@@ -37,11 +37,11 @@ from sqlalchemy import (
     text,
 )
 
-from conveyor.db.dialect import Timestamp, db_now
-from conveyor.db.engine import make_engine, sqlite_url
-from conveyor.db.migrate import alembic_config, upgrade
-from conveyor.db.schema import counters, job_events
-from conveyor.store import JobStore, new_event
+from conveyor.store.db.dialect import Timestamp, db_now
+from conveyor.store.db.engine import make_engine, sqlite_url
+from conveyor.store.db.migrate import alembic_config, upgrade
+from conveyor.store.db.schema import counters, job_events
+from conveyor.store.jobs import JobStore, new_event
 from tests.helpers import scratch_database
 
 pytestmark = pytest.mark.timeout(120)

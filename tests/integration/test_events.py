@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.db.schema import job_events
-from conveyor.store import new_event
+from conveyor.store.db.schema import job_events
+from conveyor.store.jobs import new_event
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters, jobs
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters, jobs
 from pipelines.files import Upload, confirm, process_batch, search, upload
 from tasks.files.models import files
 from tests.helpers import discarded, eventually

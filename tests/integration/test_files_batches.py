@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.db.schema import dead_letters, job_events, jobs
+from conveyor.store.db.schema import dead_letters, job_events, jobs
 from pipelines.files import (
     BatchClosed,
     Upload,
@@ -272,7 +272,7 @@ def test_each_stage_has_its_queue_and_the_seeds_rate_limits_apply(
     platform: Any, worker: Any, tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from config.queues import SEED_FILE_RATE_LIMITS
-    from conveyor.admission import RateLimit
+    from conveyor.worker.admission import RateLimit
 
     for queue, limit in SEED_FILE_RATE_LIMITS.items():
         monkeypatch.setitem(platform.settings.rate_limits, queue, RateLimit(rate=limit["rate"], burst=1))
@@ -356,7 +356,7 @@ def test_a_cli_retry_in_a_fresh_process_revives_the_fixed_files(platform: Any, w
     import subprocess
     import sys
 
-    from conveyor.procs import service_env
+    from conveyor.delivery.procs import service_env
     from pipelines.files import replace_content
 
     batch_id = process_batch(platform, tag, [Upload("empty.txt", b""), _doc("chess")])
@@ -418,7 +418,7 @@ def test_search_compares_only_vectors_of_its_model_and_reembed_fixes_a_change(
     import subprocess
     import sys
 
-    from conveyor.procs import service_env
+    from conveyor.delivery.procs import service_env
     from pipelines.files import search
     from tasks.files.errors import EmbeddingModelMismatch
     from tasks.files.models import file_vectors

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import job_events, jobs
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import job_events, jobs
 from pipelines.files import Upload, batch_status, cancel_batch, process_batch, search
 from tasks.files.models import chunks, files
 from tests.helpers import eventually

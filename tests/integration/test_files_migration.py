@@ -15,9 +15,9 @@ from alembic import command
 from sqlalchemy import Engine, inspect, text
 
 from config.migrations import FAMILY_MIGRATIONS, upgrade
-from conveyor.db.engine import make_engine, sqlite_url
-from conveyor.db.migrate import alembic_config
-from conveyor.db.namespace import physical_name
+from conveyor.store.db.engine import make_engine, sqlite_url
+from conveyor.store.db.migrate import alembic_config
+from conveyor.store.db.namespace import physical_name
 from pipelines.files import search
 from tasks.files.embedding import load_embedder, pack
 from tasks.files.models import chunks, file_vectors

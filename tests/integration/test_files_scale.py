@@ -13,8 +13,8 @@ import pytest
 from moto.server import ThreadedMotoServer
 from sqlalchemy import func, select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 from pipelines.files import Upload, confirm, process_batch, search, upload
 from tasks.files.models import chunks, files
 from tasks.files.storage import S3Settings

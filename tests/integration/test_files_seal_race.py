@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
-from conveyor.store import new_event
+from conveyor.store.jobs import new_event
 from pipelines.files import Upload, new_batch, seal_batch, upload
 from tasks.files import flow
 from tasks.files.models import EMBEDDING, READY, UPLOADED

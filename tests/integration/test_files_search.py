@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
+from conveyor.delivery.procs import service_env
 from conveyor.errors import PayloadInvalid
-from conveyor.procs import service_env
 from pipelines.files import new_batch, reembed, search
 from tasks.files import flow
 from tasks.files.chunking import Chunk

@@ -148,7 +148,7 @@ def test_postgres_vector_search_reads_only_the_owners_vectors_through_an_index(
 def test_sqlite_lexical_search_is_driven_by_the_fts_match_that_carries_the_owner(
     on_sqlite: Any, tag: str
 ) -> None:
-    from conveyor.db.namespace import schema_of, sqlite_prefix
+    from conveyor.store.db.namespace import schema_of, sqlite_prefix
 
     with on_sqlite.engine.connect() as conn:
         prefix = sqlite_prefix(schema_of(conn))

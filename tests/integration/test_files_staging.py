@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from sqlalchemy import func, insert, select, text, update
 
-from conveyor.db.schema import SUCCEEDED, jobs
 from conveyor.runfile import owner_id
-from conveyor.store import ClaimOutcome, NewJob
+from conveyor.store.db.schema import SUCCEEDED, jobs
+from conveyor.store.jobs import ClaimOutcome, NewJob
 from pipelines.files import search
 from tasks.files import flow
 from tasks.files.chunking import Chunk

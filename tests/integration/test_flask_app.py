@@ -20,9 +20,10 @@ import pytest
 import requests
 
 from config.migrations import upgrade
-from conveyor import registry, tokens
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
+from conveyor.client import registry
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
+from conveyor.web import tokens
 from tests.helpers import bound_to, effect_count, eventually, job_row, scratch_database
 
 pytestmark = pytest.mark.timeout(120)

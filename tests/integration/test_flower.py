@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import requests
 
-from conveyor.procs import service_env, start_worker, stop
+from conveyor.delivery.procs import service_env, start_worker, stop
 
 pytestmark = pytest.mark.timeout(180)
 

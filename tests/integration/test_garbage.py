@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters
 from tests.helpers import eventually
 
 pytestmark = pytest.mark.timeout(120)

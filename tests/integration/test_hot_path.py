@@ -14,13 +14,13 @@ import pytest
 from redis import Redis
 from sqlalchemy.exc import DBAPIError
 
-from conveyor.db import lane as lane_module
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
-from conveyor.db.lane import Lane
+from conveyor.delivery.wakeups import Wakeups
 from conveyor.errors import is_connection_loss
-from conveyor.store import JobStore, NewJob
-from conveyor.wakeups import Wakeups
+from conveyor.store.db import lane as lane_module
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.lane import Lane
+from conveyor.store.jobs import JobStore, NewJob
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -213,10 +213,10 @@ def test_submit_costs_the_result_backend_nothing_a_celery_call_still_gets_its_re
 
 
 def test_the_broker_transport_reuses_one_client_per_channel(platform: Any) -> None:
-    from conveyor.transport import Channel
+    from conveyor.delivery.transport import Channel
 
     if platform.settings.broker_is_amqp():
-        pytest.skip("conveyor.transport is the Redis broker's")
+        pytest.skip("conveyor.delivery.transport is the Redis broker's")
 
     with platform.app.connection_for_write() as conn:
         channel = conn.default_channel
@@ -249,11 +249,11 @@ def test_an_unreachable_server_is_an_outage_from_the_first_connect(platform: Any
 
 
 def test_a_delivery_is_noted_with_its_unacked_entry(platform: Any, worker: Any, tag: str) -> None:
-    """conveyor.transport writes the worker's delivery note in kombu's own transaction."""
-    from conveyor import transport
+    """conveyor.delivery.transport writes the worker's delivery note in kombu's own transaction."""
+    from conveyor.delivery import transport
 
     if platform.settings.broker_is_amqp():
-        pytest.skip("conveyor.transport is the Redis broker's")
+        pytest.skip("conveyor.delivery.transport is the Redis broker's")
 
     assert platform.app.conf.broker_transport == transport.NAME
     handle = platform.submit("conveyor.demo.square", {"n": 2})

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from sqlalchemy import Connection, Engine, event, text
 
-from conveyor.db.lane import _statements
-from conveyor.liveness import Orphan
-from conveyor.reconciler import TickReport
+from conveyor.store.db.lane import _statements
+from conveyor.store.liveness import Orphan
+from conveyor.upkeep.reconciler import TickReport
 from conveyor.web.feed import FeedFilter, head_cursor, read_page
 from tests.helpers import bound_to, scratch_database
 
@@ -184,7 +184,7 @@ def function_statements(conn: Connection, name: str, arguments: dict[str, str]) 
 def big(platform: Any) -> Iterator[Any]:
     """The test platform on a scratch database with big tables."""
     from config.migrations import upgrade
-    from conveyor.db.engine import make_engine
+    from conveyor.store.db.engine import make_engine
 
     with scratch_database("conveyor_plans") as url:
         engine = make_engine(url)
@@ -281,8 +281,8 @@ def test_keys_of_vanished_holders_are_swept_a_window_per_pass(platform: Any, tag
     whose holder is gone are all deleted within a round of passes."""
     from sqlalchemy import func, insert, select
 
-    from conveyor.db.schema import dedup_keys
-    from conveyor.reconciler import BATCH
+    from conveyor.store.db.schema import dedup_keys
+    from conveyor.upkeep.reconciler import BATCH
 
     orphans = 2 * BATCH + 10
     rows = [
@@ -318,9 +318,9 @@ def test_the_retention_purge_takes_a_bounded_batch_a_pass(
 
     from sqlalchemy import func, insert, select, update
 
-    from conveyor import reconciler
-    from conveyor.db.schema import job_events, jobs
-    from conveyor.store import NewJob
+    from conveyor.store.db.schema import job_events, jobs
+    from conveyor.store.jobs import NewJob
+    from conveyor.upkeep import reconciler
 
     monkeypatch.setattr(reconciler, "PURGE_ROWS", 4)
     platform = db
@@ -387,7 +387,7 @@ def test_a_periodic_pass_does_not_read_the_backlog(big: Any) -> None:
     backlog. The exception is the relay's unclaimed-too-long check (labelled apart): by
     design it counts a queue's old waiting jobs against its messages, and only four times
     per ``republish_after``."""
-    from conveyor.reconciler import BATCH
+    from conveyor.upkeep.reconciler import BATCH
 
     platform = big
     selects = [

@@ -15,10 +15,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 import conveyor
-from conveyor import registry, tokens
-from conveyor.db import schema as s
+from conveyor.client import registry
 from conveyor.errors import OwnerInvalid
-from conveyor.web import create_app
+from conveyor.store.db import schema as s
+from conveyor.web import create_app, tokens
 from tests.integration.http_support import Token, auth, problem, token_fixture
 
 pytestmark = pytest.mark.timeout(120)

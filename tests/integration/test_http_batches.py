@@ -1,4 +1,4 @@
-"""The files family's batches over HTTP (``tasks.files.http``, added to the API by
+"""The files family's batches over HTTP (``pipelines.files.http``, added to the API by
 ``HTTP_EXTENSIONS``): the seed's flow on a real worker, tokens, scopes and owners on every
 endpoint, uploads streamed and refused past ``files.max_bytes`` (declared or chunked,
 in process and through ``conveyor serve``), sealed batches, retries, hostile input, SQLite."""
@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 import conveyor
-from conveyor import registry, tokens
-from conveyor.web import create_app
+from conveyor.client import registry
+from conveyor.web import create_app, tokens
 from conveyor.web.server import deployment_routers
-from tasks.files.http import router as files_router
+from pipelines.files.http import router as files_router
 from tasks.files.models import files
 from tests.helpers import eventually
 from tests.integration.files_support import TOPICS, file_row
@@ -369,7 +369,7 @@ def test_the_app_refuses_by_content_length_before_reading_and_stops_reading_a_ch
 def test_a_storage_outage_is_503_and_leaves_no_file(
     http: TestClient, platform: Any, token: Token, tag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import pipelines.files
+    import pipelines.files.batches
     from tasks.files.errors import StorageUnavailable
 
     class Down:
@@ -384,7 +384,7 @@ def test_a_storage_outage_is_503_and_leaves_no_file(
 
     alice = token(f"alice-{tag}")
     batch_id = new_batch(http, alice)["id"]
-    monkeypatch.setattr(pipelines.files, "_new_storage", Down)
+    monkeypatch.setattr(pipelines.files.batches, "_new_storage", Down)
     down = problem(send(http, alice, batch_id, "a.txt", b"text"), 503, "unavailable")
     assert down["detail"] == "the file storage did not answer; try again" and f"alice-{tag}" not in str(down)
     assert stored_files(platform, f"alice-{tag}") == 0

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select, update
 from werkzeug.test import Client as WerkzeugClient
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from conveyor.web.wsgi import mount
 from tests.integration.http_support import Token, auth, problem, token_fixture
 

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, insert, select
 
 import conveyor
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from conveyor.web import create_app
 from tests.integration.http_support import Token, auth, problem, token_fixture
 
@@ -105,8 +105,8 @@ def test_reasons_and_nothing_inserted(http: TestClient, platform: Any, token: To
 def test_rate_limit_and_concurrency_as_redis_holds_them_now(platform: Any, token: Token, tag: str) -> None:
     """The two best-effort reasons read the keys a worker's admission writes: a slot taken
     by a running job fills a cap of one, a token taken empties a bucket of one."""
-    from conveyor.admission import Admission
     from conveyor.settings import RateLimit, StageOverride
+    from conveyor.worker.admission import Admission
 
     stage = "conveyor.demo.square"
     settings = platform.settings.model_copy(
@@ -149,7 +149,8 @@ def test_rate_limit_and_concurrency_as_redis_holds_them_now(platform: Any, token
 
 
 def test_on_sqlite_times_are_compared_and_answered_in_utc(on_sqlite: Any, tag: str) -> None:
-    from conveyor import registry, tokens
+    from conveyor.client import registry
+    from conveyor.web import tokens
 
     registry.write(on_sqlite.engine, on_sqlite.stages.values())
     secret = tokens.create(on_sqlite.engine, owner=f"a{tag}", scopes=("submit",)).secret

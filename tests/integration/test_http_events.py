@@ -24,12 +24,12 @@ from sqlalchemy import select
 
 import conveyor
 import tasks.demo as demo
-from conveyor import registry, tokens
-from conveyor.db import schema as s
-from conveyor.db.schema import job_events, jobs, new_event
-from conveyor.events import sequence_events
-from conveyor.store import JobStore
-from conveyor.web import create_app, events
+from conveyor.client import registry
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import job_events, jobs, new_event
+from conveyor.store.events import sequence_events
+from conveyor.store.jobs import JobStore
+from conveyor.web import create_app, events, tokens
 from conveyor.web.feed import FeedFilter, read_page
 from conveyor.web.limits import HeldLimit
 from tests.helpers import job_row

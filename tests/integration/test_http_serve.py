@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.integration.http_support import conveyor_cli, serving
 
 pytestmark = pytest.mark.timeout(120)
@@ -72,7 +72,7 @@ def test_serve_submit_run_show_cancel_revoke(
 
 
 def test_conveyor_stages_lists_what_a_client_may_submit(platform: Any) -> None:
-    from conveyor import registry
+    from conveyor.client import registry
 
     registry.write(platform.engine, platform.stages.values())
     listed = conveyor_cli("stages", "--json")

@@ -16,8 +16,7 @@ import requests
 from werkzeug.serving import make_server
 
 import conveyor
-from conveyor import tokens
-from conveyor.web import events
+from conveyor.web import events, tokens
 from conveyor.web.wsgi import Mounted, mount
 from tests.helpers import eventually
 

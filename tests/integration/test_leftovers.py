@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, update
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.helpers import cancelling_leftovers, job_row
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,8 +11,8 @@ from celery import chain
 from sqlalchemy.orm import Session
 
 import tasks.demo as demo
-from conveyor.db import schema as s
 from conveyor.errors import PayloadInvalid
+from conveyor.store.db import schema as s
 from tests.helpers import dead_letter_for, discarded, effect_count, eventually, job_row, publish_again
 
 pytestmark = pytest.mark.timeout(120)
@@ -154,7 +154,7 @@ def test_events_since_cursor_pages_in_order(platform: Any, worker: Any) -> None:
 def _jobs_with_origin(platform: Any, task_id: str) -> list[Any]:
     from sqlalchemy import select
 
-    from conveyor.db.schema import jobs
+    from conveyor.store.db.schema import jobs
 
     with platform.engine.connect() as conn:
         return list(conn.execute(select(jobs).where(jobs.c.origin_task_id == task_id)).mappings())

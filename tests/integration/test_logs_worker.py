@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import structlog
 
-from conveyor.context import JobContext
-from conveyor.db import schema as s
 from conveyor.logs import configure_logging
 from conveyor.settings import ConveyorSettings
+from conveyor.store.db import schema as s
+from conveyor.worker.context import JobContext
 
 pytestmark = pytest.mark.timeout(120)
 

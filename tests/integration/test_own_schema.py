@@ -20,13 +20,13 @@ from sqlalchemy.orm import Session
 
 import conveyor
 from config.migrations import FAMILY_MIGRATIONS, upgrade
-from conveyor import registry
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine, sqlite_url
-from conveyor.db.migrate import alembic_config
-from conveyor.db.migrate import upgrade as platform_upgrade
+from conveyor.client import registry
 from conveyor.errors import ConfigurationError
 from conveyor.settings import ConveyorSettings
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine, sqlite_url
+from conveyor.store.db.migrate import alembic_config
+from conveyor.store.db.migrate import upgrade as platform_upgrade
 from tasks.files.search import lexical
 from tests.helpers import bound_to, eventually, scratch_database
 

@@ -199,9 +199,9 @@ except conveyor.UnknownStage as exc:
     print("refused:", exc)
 from conveyor.contrib.celery import router
 print("routed to:", router(client)("conveyor.demo.square", (), {}, {})["queue"].name)
-worker_side = {"conveyor.platform", "conveyor.runner", "conveyor.heartbeat", "conveyor.worker",
-               "conveyor.relay"}
-print("loaded:", sorted(m for m in sys.modules if m in worker_side or m.split(".")[0] in {"config", "tasks"}))
+worker_side = ("conveyor.platform", "conveyor.worker", "conveyor.upkeep")
+deployment = {"config", "tasks"}
+print("loaded:", sorted(m for m in sys.modules if m.startswith(worker_side) or m.split(".")[0] in deployment))
 """
 
 
@@ -210,7 +210,7 @@ def test_a_client_only_install_submits_by_name(
 ) -> None:
     """The README's first step for an app: a fresh venv with only Conveyor (no extra, no
     stage code) submits to the running deployment by name and reads the result."""
-    from conveyor import registry
+    from conveyor.client import registry
 
     registry.write(platform.engine, platform.stages.values())
     venv = tmp_path / "app-venv"

@@ -10,9 +10,9 @@ from celery import chain
 from sqlalchemy import func, select
 
 import tasks.demo as demo
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
 from conveyor.errors import PayloadTooLarge
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 from tests.helpers import dead_letter_for, eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,12 +16,12 @@ from celery import Celery
 from sqlalchemy import select
 
 import conveyor
-from conveyor import registry
-from conveyor.celeryconfig import CELERY_DEFAULT_QUEUE
+from conveyor.client import registry
 from conveyor.contrib.celery import router
-from conveyor.db import schema as s
-from conveyor.db.schema import dead_letters, jobs
+from conveyor.delivery.celeryconfig import CELERY_DEFAULT_QUEUE
 from conveyor.errors import PayloadInvalid, PermanentError, TaskIdRefused, TransientError, UnknownStage
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import dead_letters, jobs
 from tests.helpers import dead_letter_for, discarded, effect_count, eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)

@@ -19,12 +19,12 @@ from alembic import command
 from pydantic import BaseModel, model_validator
 from sqlalchemy import Connection, Engine, delete, inspect
 
-from conveyor.db.engine import make_engine, sqlite_url
-from conveyor.db.migrate import alembic_config, upgrade
-from conveyor.db.schema import stages
+from conveyor.client.registry import RegisteredStage, describe, load, lookup, refresh, write
 from conveyor.errors import ConfigurationError, PayloadInvalid, UnknownStage
-from conveyor.registry import RegisteredStage, describe, load, lookup, refresh, write
 from conveyor.stage import StageSpec
+from conveyor.store.db.engine import make_engine, sqlite_url
+from conveyor.store.db.migrate import alembic_config, upgrade
+from conveyor.store.db.schema import stages
 from tests.helpers import scratch_database
 
 pytestmark = pytest.mark.timeout(120)

@@ -11,8 +11,8 @@ import pytest
 from sqlalchemy import Connection, text
 from sqlalchemy.orm import Session
 
-from conveyor.db import schema as s
 from conveyor.dedup import Dedup
+from conveyor.store.db import schema as s
 from tests.helpers import job_row
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.redis_broker]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, scoped_session, sessionmaker
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.helpers import job_row
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.redis_broker]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.helpers import dead_letter_for
 
 

@@ -15,13 +15,13 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import DBAPIError
 
 import conveyor
-from conveyor import registry
-from conveyor.broker import Broker
-from conveyor.db import schema as s
-from conveyor.db.schema import job_events, jobs
-from conveyor.embedded import free_port
+from conveyor.client import registry
+from conveyor.delivery.broker import Broker
+from conveyor.delivery.embedded import free_port
+from conveyor.delivery.procs import service_env
 from conveyor.errors import PayloadInvalid
-from conveyor.procs import service_env
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import job_events, jobs
 from tests.helpers import effect_count, eventually
 
 pytestmark = pytest.mark.timeout(180)
@@ -154,8 +154,7 @@ c = conveyor.connect()
 handles = c.submit_many("conveyor.demo.noop", [{"n": i} for i in range(120)], batch_size=50)
 again = c.submit_many("conveyor.demo.noop", [{"n": 1}], idempotency_keys=[sys.argv[1]])
 twice = c.submit_many("conveyor.demo.noop", [{"n": 1}], idempotency_keys=[sys.argv[1]])
-worker = [m for m in ("conveyor.runner", "conveyor.completion", "conveyor.worker", "conveyor.relay",
-                      "conveyor.platform", "conveyor.task") if m in sys.modules]
+worker = [m for m in sys.modules if m.startswith(("conveyor.worker", "conveyor.upkeep", "conveyor.platform"))]
 print(json.dumps({"ids": [h.id for h in handles], "worker": worker,
                   "keyed": [again[0].id, twice[0].id, twice[0].deduplicated]}))
 """
@@ -261,10 +260,10 @@ def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
 ) -> None:
     import kombu.transport.redis
 
-    import conveyor.bulk
+    import conveyor.client.bulk
     from conveyor.errors import SubmitFailed
 
-    real_insert, calls = conveyor.bulk.insert_batch, []
+    real_insert, calls = conveyor.client.bulk.insert_batch, []
 
     def insert_then_fail(conn: Any, store: Any, rows: Any) -> set[str]:
         calls.append(rows.count)
@@ -286,7 +285,7 @@ def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
             real_flush(self)
 
         monkeypatch.setattr(batches, "flush", counting_flush)
-    monkeypatch.setattr(conveyor.bulk, "insert_batch", insert_then_fail)
+    monkeypatch.setattr(conveyor.client.bulk, "insert_batch", insert_then_fail)
     with pytest.raises(SubmitFailed, match=r"10 of 30 were recorded"):
         platform.submit_many(
             "conveyor.demo.effect", [{"note": f"{tag}-{i}"} for i in range(30)], batch_size=10
@@ -300,7 +299,7 @@ def test_a_failed_commit_sends_nothing_and_raises_submit_failed(
 
 
 def test_delay_and_owner_as_submit_records_them(platform: Any, tag: str) -> None:
-    from conveyor.owners import owned_key
+    from conveyor.client.owners import owned_key
 
     keys = [f"{tag}-k{i}" for i in range(3)]
     notes = [{"note": f"{tag}-d{i}"} for i in range(3)]

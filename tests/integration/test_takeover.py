@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from sqlalchemy import update
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import db_now, db_now_plus
-from conveyor.db.schema import jobs
 from conveyor.runfile import owner_id
-from conveyor.store import ClaimOutcome, NewJob
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now, db_now_plus
+from conveyor.store.db.schema import jobs
+from conveyor.store.jobs import ClaimOutcome, NewJob
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 import conveyor
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.helpers import eventually, job_row
 
 pytestmark = pytest.mark.timeout(120)

@@ -24,9 +24,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import tasks.demo as demo
 from conveyor import tracing
-from conveyor.db import schema as s
 from conveyor.logs import configure_logging
 from conveyor.settings import ConveyorSettings
+from conveyor.store.db import schema as s
 from tests.helpers import eventually, job_row
 from tests.unit.test_logs import restore_logging  # noqa: F401  (a fixture)
 
@@ -278,8 +278,8 @@ def test_a_submit_over_http_joins_the_callers_trace(platform: Any, spans: Any, t
     from fastapi.testclient import TestClient
 
     import conveyor
-    from conveyor import registry, tokens
-    from conveyor.web import create_app
+    from conveyor.client import registry
+    from conveyor.web import create_app, tokens
 
     registry.write(platform.engine, platform.stages.values())
     secret = tokens.create(platform.engine, owner=f"t{tag}", scopes=("submit",)).secret

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conveyor.procs import start_worker
+from conveyor.delivery.procs import start_worker
 from conveyor.settings import ConveyorSettings
 from tests.fault.servers import PrivatePostgres, PrivateRedis, private_postgres, private_redis
 from tests.locks import claim_numbered
@@ -204,7 +204,7 @@ class Services:
 
 
 # A cut host's transactions keep their locks until Postgres notices. The relay's lock
-# transaction limits its own idle time (conveyor.db.dialect.SINGLETON_IDLE_LIMIT_MS);
+# transaction limits its own idle time (conveyor.store.db.dialect.SINGLETON_IDLE_LIMIT_MS);
 # the server-wide limit is only a backstop, as long as a deployment would set it (stage
 # bodies may keep a transaction open while they compute). A silent peer is found by
 # keepalives when idle, by tcp_user_timeout while the server's data is unacknowledged
@@ -238,7 +238,7 @@ def start_services(
         postmaster = (pg.datadir / "postmaster.pid").read_text().split()[0]
         _leftovers(net.number).write_text(f"{redis_server.proc.pid}\n{postmaster} {pg.datadir.parent}\n")
         from config.migrations import upgrade
-        from conveyor.db.engine import make_engine
+        from conveyor.store.db.engine import make_engine
 
         engine = make_engine(pg.url, pool_size=0)
         upgrade(engine)

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from sqlalchemy import select, text
 
-from conveyor.db import schema as s
-from conveyor.db.dialect import SINGLETON_IDLE_LIMIT_MS
-from conveyor.db.schema import counters
-from conveyor.liveness import TICK
-from conveyor.relay import RELAY_LOCK
+from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import SINGLETON_IDLE_LIMIT_MS
+from conveyor.store.db.schema import counters
+from conveyor.store.liveness import TICK
+from conveyor.upkeep.relay import RELAY_LOCK
 from tests.helpers import effect_count, eventually, job_row
 from tests.multihost.conftest import TIMERS
 from tests.multihost.harness import Cluster, Host

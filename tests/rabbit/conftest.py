@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import func, select
 
 from config.migrations import upgrade
-from conveyor import registry
-from conveyor.client import Client
-from conveyor.db import schema as s
-from conveyor.db.engine import make_engine
+from conveyor.client import registry
+from conveyor.client.by_name import Client
+from conveyor.store.db import schema as s
+from conveyor.store.db.engine import make_engine
 from tasks.demo.models import effects
 from tests.fault.conftest import spawn
 from tests.helpers import scratch_database, scratch_redis

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.chaos.cluster import child_pids
 from tests.fault.conftest import Spawn
 from tests.rabbit.conftest import Cluster

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.fault.conftest import Spawn
 from tests.rabbit.conftest import Cluster
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from conveyor.db import schema as s
+from conveyor.store.db import schema as s
 from tests.fault.conftest import Spawn
 from tests.helpers import eventually
 from tests.rabbit.conftest import Cluster
@@ -112,7 +112,7 @@ def test_a_queue_deleted_under_load_loses_no_job(spawn: Spawn, cluster: Cluster,
 def test_a_worker_started_before_its_broker_waits_for_it(spawn: Spawn, cluster: Cluster, tag: str) -> None:
     """Kubernetes starts pods in no order: a worker whose RabbitMQ is still booting keeps
     trying (Celery's reconnect, and Conveyor's start-up reads the epoch later)."""
-    from conveyor.procs import start_worker, stop
+    from conveyor.delivery.procs import start_worker, stop
     from tests.fault.conftest import wait_ready
 
     cluster.node.stop()

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from conveyor.amqp import Unroutable
-from conveyor.db import schema as s
-from conveyor.db.schema import jobs
+from conveyor.delivery.amqp import Unroutable
+from conveyor.store.db import schema as s
+from conveyor.store.db.schema import jobs
 from tests.conftest import AMQP_VHOST
 from tests.fault.conftest import Spawn
 from tests.helpers import effect_count, eventually, job_row
@@ -109,7 +109,7 @@ def test_a_worker_killed_mid_job_has_its_message_redelivered_at_once(
 
 def test_queue_length_gauges_read_rabbitmq(platform: Any, tag: str) -> None:
     """`conveyor top` and the Prometheus gauges count RabbitMQ's ready messages, not Redis lists."""
-    from conveyor.gauges import queue_lengths
+    from conveyor.upkeep.gauges import queue_lengths
 
     before = _ready(platform)
     for i in range(3):

@@ -13,7 +13,7 @@ from celery import Celery
 from celery import beat as celery_beat
 from celery.apps.beat import Beat
 
-from conveyor.beat_lock import Scheduler
+from conveyor.upkeep.beat_lock import Scheduler
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.db.engine import make_engine, sqlite_url
+from conveyor.store.db.engine import make_engine, sqlite_url
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ out, args = sys.argv[1], json.loads(sys.argv[2])
 sys.argv = ["conveyor", *args]
 code = 0
 if args != ["import"]:
-    from conveyor.cli import main
+    from conveyor.cli.main import main
     try:
         main()
     except SystemExit as exc:
@@ -36,7 +36,7 @@ with open(out, "w") as f:
 
 # Loaded by every command before: each costs 0.1-0.2 s of start-up.
 HEAVY = ("sqlalchemy", "redis", "celery", "kombu", "psycopg", "structlog", "opentelemetry", "jsonschema")
-DEPLOYMENT = ("config.celery_app", "conveyor.platform", "conveyor.worker")
+DEPLOYMENT = ("config.celery_app", "conveyor.platform", "conveyor.worker.step")
 COMMANDS = [
     "up", "worker", "beat", "flower", "demo", "top", "serve", "openapi", "stages",
     "jobs", "dlq", "db", "probe", "tokens",

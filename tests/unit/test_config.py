@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from config.queues import QUEUES
-from conveyor.celeryconfig import celery_config
+from conveyor.delivery.celeryconfig import celery_config
 from conveyor.settings import ConveyorSettings, StageOverride
 
 
@@ -51,8 +51,8 @@ def test_celery_config_is_pure_and_safe() -> None:
     assert not conf["worker_send_task_events"] and not conf["task_send_sent_event"]
     events = celery_config(settings.model_copy(update={"task_events": True}), queues=QUEUES)
     assert events["worker_send_task_events"] and events["task_send_sent_event"]
-    # redis:// goes through conveyor.transport; other schemes keep kombu's own.
-    assert conf["broker_transport"] == "conveyor.transport:Transport"
+    # redis:// goes through conveyor.delivery.transport; other schemes keep kombu's own.
+    assert conf["broker_transport"] == "conveyor.delivery.transport:Transport"
     tls = celery_config(settings.model_copy(update={"redis_url": "rediss://h:1/2"}), queues=QUEUES)
     assert "broker_transport" not in tls
     assert conf["worker_state_db"] is None and "Persistent" not in conf["beat_scheduler"]
@@ -83,7 +83,7 @@ def test_stage_declaration_refuses_long_limit() -> None:
 def test_the_default_queue_is_the_one_a_plain_celery_app_sends_to() -> None:
     from celery import Celery
 
-    from conveyor.celeryconfig import celery_default_queue
+    from conveyor.delivery.celeryconfig import celery_default_queue
 
     app = Celery("plain", set_as_current=False)
     plain = app.amqp.queues[app.conf.task_default_queue]
@@ -123,7 +123,7 @@ def test_on_rabbitmq_every_time_limit_stays_below_the_consumer_timeout() -> None
 
 
 def test_rabbitmq_config_confirms_publishes_and_keeps_results_in_redis() -> None:
-    from conveyor.celeryconfig import celery_config
+    from conveyor.delivery.celeryconfig import celery_config
 
     settings = ConveyorSettings(broker_url="amqp://u:p@rabbit:5672/v", redis_url="redis://r:6379/0")
     config = celery_config(settings, queues=QUEUES)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from conveyor.embedded import EmbeddedRedis, free_port, redis_binary, start_redis
+from conveyor.delivery.embedded import EmbeddedRedis, free_port, redis_binary, start_redis
 from conveyor.runfile import (
     RUN_FILE,
     RunInfo,
@@ -100,7 +100,7 @@ def test_start_and_stop(tmp_path: Path) -> None:
 
 def test_stop_from_another_process(server: EmbeddedRedis) -> None:
     code = (
-        "import sys; from conveyor.embedded import EmbeddedRedis; "
+        "import sys; from conveyor.delivery.embedded import EmbeddedRedis; "
         "EmbeddedRedis(url=sys.argv[1], pid=int(sys.argv[2]), port=int(sys.argv[3])).stop()"
     )
     subprocess.run(

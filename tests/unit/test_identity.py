@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conveyor.claims import _owner_dead
 from conveyor.runfile import BOOT_ID, local_node, local_pid, owner_id
+from conveyor.store.claims import _owner_dead
 
 
 def _gone_pid() -> int:

@@ -1,4 +1,4 @@
-"""conveyor.isolate: bounded children, with real processes (no mocks)."""
+"""conveyor.worker.isolate: bounded children, with real processes (no mocks)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 
 from conveyor.errors import ChildFailed, OutOfBounds, PermanentError, TransientError, is_permanent
-from conveyor.isolate import ChildStats, peak_rss, run_bounded
+from conveyor.worker.isolate import ChildStats, peak_rss, run_bounded
 
 MiB = 1 << 20
 MEMORY = 256 * MiB

@@ -13,7 +13,6 @@ import structlog
 from billiard import util as billiard_util
 from celery import signals
 
-from conveyor.context import JobContext
 from conveyor.logs import (
     HANDLER_NAME,
     bind_job,
@@ -25,7 +24,8 @@ from conveyor.logs import (
     unbind_job,
 )
 from conveyor.settings import ConveyorSettings
-from conveyor.worker import use_conveyor_logging
+from conveyor.worker.context import JobContext
+from conveyor.worker.step import use_conveyor_logging
 
 NO_PLATFORM: Any = object()  # a JobContext uses its platform only once asked for a connection
 SECRETS = ("s3cret", "hunter2", "pw-in-url", "tok-nested", "abcdef123456", "alice.smith")

@@ -9,9 +9,9 @@ import sqlalchemy as sa
 from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql
 
-from conveyor.db.engine import make_engine, sqlite_url
-from conveyor.db.namespace import namespace_dialect
-from conveyor.db.schema import dedup_keys, jobs
+from conveyor.store.db.engine import make_engine, sqlite_url
+from conveyor.store.db.namespace import namespace_dialect
+from conveyor.store.db.schema import dedup_keys, jobs
 
 
 def test_postgres_qualifies_with_the_schema_even_on_a_plain_dialect() -> None:

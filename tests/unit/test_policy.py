@@ -6,11 +6,11 @@ import pytest
 from pydantic import BaseModel
 
 from conveyor.errors import PayloadInvalid, PermanentError, TransientError, is_permanent
-from conveyor.events import EventCursor
 from conveyor.retry import Backoff, Schedule, requeue_delay
 from conveyor.settings import ConveyorSettings
 from conveyor.stage import StageSpec, payload_from_call
-from conveyor.store import parse_cursor
+from conveyor.store.events import EventCursor
+from conveyor.store.jobs import parse_cursor
 
 
 def test_backoff_is_exponential_jittered_and_capped() -> None:

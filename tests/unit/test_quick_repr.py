@@ -9,7 +9,7 @@ from celery.utils.saferepr import saferepr
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from conveyor.reprs import quick_kwargsrepr
+from conveyor.delivery.reprs import quick_kwargsrepr
 
 MAXSIZE, MAXLEVELS = 1024, 3
 

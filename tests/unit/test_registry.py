@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from conveyor.db.schema import stages as stages_table
+from conveyor.client.registry import RegisteredStage, close_names, describe, lookup
 from conveyor.dedup import Dedup
 from conveyor.errors import ConfigurationError, PayloadInvalid, UnknownStage
-from conveyor.registry import RegisteredStage, close_names, describe, lookup
 from conveyor.stage import StageSpec
+from conveyor.store.db.schema import stages as stages_table
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from conveyor.db.dialect import SLOW_WRITE
-from conveyor.db.engine import make_engine
+from conveyor.store.db.dialect import SLOW_WRITE
+from conveyor.store.db.engine import make_engine
 
 MESSAGE = "SQLite write lock held for"
 

@@ -115,7 +115,7 @@ def test_a_worker_sets_tracing_up_where_its_tasks_run(monkeypatch: pytest.Monkey
     from celery.concurrency.prefork import TaskPool as Prefork
     from celery.concurrency.solo import TaskPool as Solo
 
-    from conveyor.worker import install_tracing
+    from conveyor.worker.step import install_tracing
 
     calls: list[str] = []
     monkeypatch.setattr(tracing, "configure", lambda settings: calls.append(settings.tracing))

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from conveyor.client.owners import callers_key, checked_owner, owned_key
 from conveyor.errors import ConfigurationError, OwnerInvalid, ScopeInvalid
-from conveyor.owners import callers_key, checked_owner, owned_key
 from conveyor.settings import ConveyorSettings
-from conveyor.tokens import checked_scopes
 from conveyor.web import create_app
 from conveyor.web.server import deployment_routers, openapi_document
+from conveyor.web.tokens import checked_scopes
 
 KEPT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
 REGENERATE = "conveyor openapi --output docs/openapi.json"
@@ -53,7 +53,7 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/events", "get"),
         ("/events/stream", "get"),
         ("/health", "get"),
-        # the files family's (tasks.files.http)
+        # the files family's (pipelines.files.http)
         ("/batches", "post"),
         ("/batches/{batch_id}", "get"),
         ("/batches/{batch_id}/files", "post"),

@@ -18,9 +18,9 @@ from sqlalchemy.exc import DBAPIError
 from conveyor.errors import SubmitFailed
 
 if TYPE_CHECKING:
-    from conveyor.client import Client
+    from conveyor.client.by_name import Client
+    from conveyor.client.handle import JobHandle
     from conveyor.contrib.django.lend import Lender
-    from conveyor.handle import JobHandle
 
 _lock = threading.Lock()
 _clients: dict[tuple[str, str], tuple[Client, Lender]] = {}
@@ -45,7 +45,7 @@ class _Atomic:
 
 
 def _pair(using: str | None) -> tuple[Client, Lender]:
-    from conveyor.client import Client
+    from conveyor.client.by_name import Client
     from conveyor.contrib.django import conf
     from conveyor.contrib.django.lend import Lender
 

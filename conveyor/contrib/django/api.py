@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from conveyor.client import Client
+    from conveyor.client.by_name import Client
     from conveyor.web.wsgi import Mounted, WSGIApp
 
 

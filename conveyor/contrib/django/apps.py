@@ -31,12 +31,12 @@ def migrate_conveyor(using: str, **_: Any) -> None:
     Conveyor's tables up to date, as an installed app's own tables are: the platform's
     migrations, in Conveyor's schema of the database ``CONVEYOR["DATABASE"]`` names; and
     when ``CONVEYOR["APP"]`` names the project's own app module, its stages' registry."""
-    from conveyor import registry
+    from conveyor.client import registry
     from conveyor.contrib.django import conf
-    from conveyor.db.engine import make_engine
-    from conveyor.db.migrate import upgrade
     from conveyor.deployment import import_object
     from conveyor.errors import ConfigurationError
+    from conveyor.store.db.engine import make_engine
+    from conveyor.store.db.migrate import upgrade
 
     if using != conf.alias():
         return

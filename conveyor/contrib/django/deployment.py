@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from celery import Celery
 from kombu.entity import Exchange, Queue
 
-from conveyor.celeryconfig import celery_config
 from conveyor.contrib.django import conf
+from conveyor.delivery.celeryconfig import celery_config
 from conveyor.platform import Platform
-from conveyor.worker import install
+from conveyor.worker.step import install
 
 EXCHANGE = Exchange("conveyor", type="direct")  # type: ignore[no-untyped-call]
 

@@ -22,9 +22,9 @@ import pytest
 from django.db import connections
 
 from conveyor.contrib.django import close, conf
-from conveyor.db.engine import make_engine
-from conveyor.db.migrate import upgrade
-from conveyor.procs import service_env, start_worker, stop
+from conveyor.delivery.procs import service_env, start_worker, stop
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.migrate import upgrade
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@
   Either way Python sees aware UTC datetimes, and every comparison uses the database clock
   (:class:`db_now`), never the caller's.
 * Event positions: on Postgres a sequencer numbers events after they commit (``seq``, see
-  :mod:`conveyor.events`); SQLite serialises writers, so ``id`` order already is commit order.
+  :mod:`conveyor.store.events`); SQLite serialises writers, so ``id`` order already is commit order.
 * Mutual exclusion for the relay: a Postgres advisory lock; on SQLite an ``flock`` file.
 """
 
@@ -43,8 +43,8 @@ from sqlalchemy.sql.functions import FunctionElement
 from sqlalchemy.sql.selectable import TextualSelect
 from sqlalchemy.types import TypeDecorator, TypeEngine
 
-from conveyor.db.namespace import schema_of
 from conveyor.errors import DatabaseBusy
+from conveyor.store.db.namespace import schema_of
 
 UTC = dt.UTC
 log = logging.getLogger("conveyor.db")
@@ -353,7 +353,7 @@ def next_seq(conn: Connection) -> int:
 # -- Postgres hot paths ------------------------------------------------------------------
 # The three writes every job makes (submit, claim, succeed), each as one prepared
 # statement: a data-modifying CTE writes the row and its outbox event together. SQLite
-# (one writer, no DML CTEs) uses the generic statements in conveyor.store. Table and
+# (one writer, no DML CTEs) uses the generic statements in conveyor.store.jobs. Table and
 # function names are qualified with Conveyor's schema: a submit may run on a caller's
 # connection, whose search_path knows nothing of it.
 
@@ -378,7 +378,7 @@ def pg_statements(conn: Connection) -> PgStatements:
 
 def submit_sql(schema: str) -> str:
     """The one-statement submit (the job row and its ``job.submitted`` event) for Conveyor's
-    tables in ``schema``, with ``:name`` placeholders; :mod:`conveyor.db.lane` runs the same
+    tables in ``schema``, with ``:name`` placeholders; :mod:`conveyor.store.db.lane` runs the same
     text with psycopg's."""
     s = f'"{schema}".'
     return f"""
@@ -431,7 +431,7 @@ def _pg_statements(schema: str) -> PgStatements:
     return PgStatements(
         submit=submit,
         # One round trip, in autocommit (migration 0007: it commits synchronously, so a
-        # database crash never reissues an attempt number; conveyor.db.lane runs it).
+        # database crash never reissues an attempt number; conveyor.store.db.lane runs it).
         # The function's body finds its tables through the search_path of Conveyor's own
         # connections, the only ones that claim.
         claim=text(f"SELECT * FROM {s}conveyor_claim(:id, :owner, :task_id)").columns(

@@ -11,9 +11,9 @@ from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.pool import ConnectionPoolEntry, NullPool, QueuePool
 
-from conveyor.db.dialect import READ_ONLY, WRITE_WAIT, LockingConnection, configure_engine
-from conveyor.db.namespace import SCHEMA, checked_schema, namespace_dialect, translate_map
 from conveyor.errors import mark_own
+from conveyor.store.db.dialect import READ_ONLY, WRITE_WAIT, LockingConnection, configure_engine
+from conveyor.store.db.namespace import SCHEMA, checked_schema, namespace_dialect, translate_map
 
 
 def normalize_url(url: str) -> str:

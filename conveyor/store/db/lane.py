@@ -34,8 +34,8 @@ from psycopg.types.json import Json
 from sqlalchemy import Engine
 from sqlalchemy.pool import NullPool
 
-from conveyor.db.dialect import submit_sql
 from conveyor.errors import mark_own
+from conveyor.store.db.dialect import submit_sql
 
 PING_AFTER = 30.0
 
@@ -43,7 +43,7 @@ PING_AFTER = 30.0
 @functools.lru_cache(maxsize=8)
 def _statements(schema: str) -> tuple[str, str, str]:
     s = f'"{schema}".'
-    # conveyor.db.dialect's submit statement, with psycopg's named placeholders.
+    # conveyor.store.db.dialect's submit statement, with psycopg's named placeholders.
     submit = re.sub(r"(?<!:):(\w+)", r"%(\1)s", submit_sql(schema))
     # Positional parameters on the per-job statements: cheaper for psycopg than named ones.
     claim = f"SELECT * FROM {s}conveyor_claim(%s, %s, %s)"  # id, owner, task id
@@ -74,7 +74,7 @@ class Lane:
         self._names: dict[str, list[str]] = {}
 
     def submit(self, params: dict[str, Any]) -> bool:
-        """The one-statement submit (:meth:`conveyor.store.JobStore.submit_params`): the job
+        """The one-statement submit (:meth:`conveyor.store.jobs.JobStore.submit_params`): the job
         row and its ``job.submitted`` event, committed; False if the id or idempotency key
         exists."""
         values = dict(params)

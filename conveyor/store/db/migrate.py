@@ -11,8 +11,8 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, inspect, text
 
-from conveyor.db.namespace import schema_of, sqlite_prefix
 from conveyor.errors import ConfigurationError
+from conveyor.store.db.namespace import schema_of, sqlite_prefix
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 SCHEMA_KEY = "conveyor_schema"  # the Alembic config attribute env.py sets

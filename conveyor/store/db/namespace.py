@@ -16,7 +16,7 @@ from sqlalchemy import Connection, Dialect, Table, inspect, text
 from sqlalchemy.dialects.sqlite.base import SQLiteIdentifierPreparer
 from sqlalchemy.sql.elements import quoted_name
 
-from conveyor.db.names import SCHEMA, checked_schema, sqlite_prefix
+from conveyor.settings import SCHEMA, checked_schema, sqlite_prefix
 
 TRANSLATE = "schema_translate_map"
 

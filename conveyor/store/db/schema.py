@@ -20,8 +20,8 @@ from sqlalchemy import (
     text,
 )
 
-from conveyor.db.dialect import Timestamp
-from conveyor.db.namespace import SCHEMA, own
+from conveyor.store.db.dialect import Timestamp
+from conveyor.store.db.namespace import SCHEMA, own
 
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -29,7 +29,7 @@ NAMING = {
     "pk": "pk_%(table_name)s",
 }
 
-# Every table is in Conveyor's own schema (a prefix on SQLite): see conveyor.db.namespace.
+# Every table is in Conveyor's own schema (a prefix on SQLite): see conveyor.store.db.namespace.
 metadata = MetaData(schema=SCHEMA, naming_convention=NAMING)
 
 # An autoincrementing 64-bit key on Postgres that SQLite still treats as its rowid alias.
@@ -162,7 +162,7 @@ job_events = Table(
     # SQLite: AUTOINCREMENT, so ids (its readers' positions) are never reused after a purge.
     Column("id", BigId, primary_key=True, autoincrement=True),
     # Postgres: the readers' position, numbered in commit order after commit (NULL until
-    # then; see conveyor.events). SQLite leaves it NULL: one writer, so ``id`` is the position.
+    # then; see conveyor.store.events). SQLite leaves it NULL: one writer, so ``id`` is the position.
     Column("seq", BigInteger, nullable=True),
     Column("job_id", String(36), nullable=True),
     Column("topic", String(100), nullable=False),
@@ -262,7 +262,7 @@ leases = Table(
 
 
 # The stage registry: what a client without the stage code needs to submit by name (see
-# conveyor.registry). Written by ``conveyor db upgrade`` and by workers at start.
+# conveyor.client.registry). Written by ``conveyor db upgrade`` and by workers at start.
 stages = Table(
     own("stages"),
     metadata,
@@ -283,7 +283,7 @@ stages = Table(
     Column("updated_at", Timestamp(), nullable=False),  # when the row last changed
 )
 
-# Bearer tokens of the HTTP API (see conveyor.tokens): only a SHA-256 of each secret is
+# Bearer tokens of the HTTP API (see conveyor.web.tokens): only a SHA-256 of each secret is
 # kept; ``scopes`` is space-separated (``read submit``), ``revoked_at`` set ends it.
 tokens = Table(
     own("tokens"),

@@ -1,4 +1,4 @@
-"""Alembic environment: the engine comes from ``conveyor.db.migrate``, never from a URL here.
+"""Alembic environment: the engine comes from ``conveyor.store.db.migrate``, never from a URL here.
 
 Conveyor's tables and its version table live in its own schema (a prefix on SQLite), the
 one the engine renders them in (``CONVEYOR_DB_SCHEMA``). Revisions of branches this
@@ -12,9 +12,9 @@ from alembic import context
 from alembic.script import ScriptDirectory
 from sqlalchemy import Engine
 
-from conveyor.db.migrate import MIGRATIONS, SCHEMA_KEY, prepare, put_back, set_aside, version_table
-from conveyor.db.namespace import schema_of
-from conveyor.db.schema import metadata
+from conveyor.store.db.migrate import MIGRATIONS, SCHEMA_KEY, prepare, put_back, set_aside, version_table
+from conveyor.store.db.namespace import schema_of
+from conveyor.store.db.schema import metadata
 
 engine: Engine = context.config.attributes["engine"]
 revisions = list(ScriptDirectory.from_config(context.config).walk_revisions())

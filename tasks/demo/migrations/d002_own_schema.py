@@ -6,7 +6,7 @@ Revises: d001
 
 from __future__ import annotations
 
-from conveyor.db.migrate import abandon, adopt
+from conveyor.store.db.migrate import abandon, adopt
 
 revision = "d002"
 down_revision = "d001"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from alembic import op
 
-from conveyor.db.migrate import SCHEMA_KEY, abandon, adopt
-from conveyor.db.namespace import sqlite_prefix
+from conveyor.store.db.migrate import SCHEMA_KEY, abandon, adopt
+from conveyor.store.db.namespace import sqlite_prefix
 
 revision = "f004"
 down_revision = "f003"

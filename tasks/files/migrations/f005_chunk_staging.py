@@ -9,8 +9,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.dialect import Timestamp
-from conveyor.db.migrate import own_table
+from conveyor.store.db.dialect import Timestamp
+from conveyor.store.db.migrate import own_table
 
 revision = "f005"
 down_revision = "f004"

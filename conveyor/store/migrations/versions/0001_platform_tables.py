@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.dialect import EVENT_TXID_DEFAULT_PG, Timestamp
+from conveyor.store.db.dialect import EVENT_TXID_DEFAULT_PG, Timestamp
 
 revision = "0001"
 down_revision = None

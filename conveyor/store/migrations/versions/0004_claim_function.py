@@ -15,7 +15,7 @@ depends_on = None
 
 # The claim commits without waiting for the WAL flush: every later write of the same
 # attempt commits synchronously and flushes it first, so a claim lost in a crash is one
-# nothing was recorded under (see conveyor.db.dialect.relax_commit).
+# nothing was recorded under (see conveyor.store.db.dialect.relax_commit).
 CLAIM = """
 CREATE OR REPLACE FUNCTION conveyor_claim(p_id text, p_owner text, p_task text)
 RETURNS SETOF jobs LANGUAGE plpgsql AS $$

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.dialect import Timestamp
+from conveyor.store.db.dialect import Timestamp
 
 revision = "0005"
 down_revision = "0004"

@@ -65,7 +65,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("requeues", sa.Integer(), nullable=False, server_default="0"))
     if postgres:
         op.execute(CLAIM)
-        # The relay's pass clock (conveyor.liveness) lives here; SQLite has it since 0002.
+        # The relay's pass clock (conveyor.store.liveness) lives here; SQLite has it since 0002.
         op.create_table(
             "conveyor_counters",
             sa.Column("name", sa.String(length=50), primary_key=True),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.dialect import EVENT_TXID_DEFAULT_PG
+from conveyor.store.db.dialect import EVENT_TXID_DEFAULT_PG
 
 revision = "0009"
 down_revision = "0008"
@@ -65,7 +65,7 @@ $$;
 
 # Existing events keep the order readers saw them in, (txid, id), numbered above anything
 # numbered before (a downgrade and upgrade again never reissues a number). A cursor from
-# before this migration names an event id; conveyor.events maps it to that event's seq.
+# before this migration names an event id; conveyor.store.events maps it to that event's seq.
 BACKFILL = """
 UPDATE job_events AS e
    SET seq = o.rn + coalesce((SELECT value FROM conveyor_counters WHERE name = 'event_seq'), 0)

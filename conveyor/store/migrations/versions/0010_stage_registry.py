@@ -10,14 +10,14 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.dialect import Timestamp
+from conveyor.store.db.dialect import Timestamp
 
 revision = "0010"
 down_revision = "0009"
 branch_labels = None
 depends_on = None
 
-# Rows are written by conveyor.registry (``conveyor db upgrade`` and each worker's start),
+# Rows are written by conveyor.client.registry (``conveyor db upgrade`` and each worker's start),
 # never by this migration: it knows no stages. The same DDL serves Postgres and SQLite.
 
 

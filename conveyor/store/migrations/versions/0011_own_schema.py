@@ -7,7 +7,7 @@ Revises: 0010
 
 from __future__ import annotations
 
-from conveyor.db.migrate import abandon, adopt
+from conveyor.store.db.migrate import abandon, adopt
 
 revision = "0011"
 down_revision = "0010"

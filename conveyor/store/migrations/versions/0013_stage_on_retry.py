@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.migrate import own_table
+from conveyor.store.db.migrate import own_table
 
 revision = "0013"
 down_revision = "0012"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.dialect import Timestamp
-from conveyor.db.migrate import own_table
+from conveyor.store.db.dialect import Timestamp
+from conveyor.store.db.migrate import own_table
 
 revision = "0015"
 down_revision = "0014"

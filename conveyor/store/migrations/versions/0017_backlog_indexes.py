@@ -11,7 +11,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from conveyor.db.migrate import own_table
+from conveyor.store.db.migrate import own_table
 
 revision = "0017"
 down_revision = "0016"

@@ -12,12 +12,12 @@ from django.core.management.base import BaseCommand, CommandError
 from sqlalchemy import func, select
 
 from conveyor.contrib.django import conf
-from conveyor.db.engine import make_engine
-from conveyor.db.migrate import pending, upgrade
-from conveyor.db.namespace import table_exists
-from conveyor.db.schema import dead_letters, jobs, stages
+from conveyor.delivery.procs import service_env
 from conveyor.logs import redact_text
-from conveyor.procs import service_env
+from conveyor.store.db.engine import make_engine
+from conveyor.store.db.migrate import pending, upgrade
+from conveyor.store.db.namespace import table_exists
+from conveyor.store.db.schema import dead_letters, jobs, stages
 
 
 def _where(url: str | None, schema: str) -> str:
