@@ -185,7 +185,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         headers["content_type"] = getattr(message, "content_type", None)
         headers["content_encoding"] = getattr(message, "content_encoding", None)
         try:
-            self.app.conveyor.worker.runner.record_garbage(error_type, text, headers)
+            self.app.conveyor.runner.record_garbage(error_type, text, headers)
         except Exception:
             log.warning("could not record a rejected message in the DLQ", exc_info=True)
         log.error("rejected message (%s): %s; headers recorded in the DLQ, body discarded", error_type, text)

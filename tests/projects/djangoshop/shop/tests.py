@@ -13,14 +13,14 @@ class SubmitUnderDjangosRunner(TransactionTestCase):
     def test_a_job_commits_into_the_test_database(self) -> None:
         with transaction.atomic():
             Order.objects.create(number="runner-1")
-            job = conveyor.client.submit("shop.orders.ship", {"number": "runner-1"})
+            job = conveyor.submit("shop.orders.ship", {"number": "runner-1"})
         assert job.status() == "queued"
-        assert conveyor.client.by_name().settings.database_url.endswith("/test_" + self.real_name())
+        assert conveyor.client().settings.database_url.endswith("/test_" + self.real_name())
 
     def test_a_rollback_leaves_no_job(self) -> None:
         try:
             with transaction.atomic():
-                job = conveyor.client.submit("shop.orders.ship", {"number": "runner-2"})
+                job = conveyor.submit("shop.orders.ship", {"number": "runner-2"})
                 raise RuntimeError("declined")
         except RuntimeError:
             pass

@@ -36,7 +36,7 @@ def served() -> Iterator[str]:
 
 def test_a_job_submitted_over_the_mounted_api_runs(served: str, deployment_worker: object) -> None:
     secret = tokens.create(
-        conveyor.client.by_name().connections.engine, owner="shop", scopes=("read", "submit")
+        conveyor.client().connections.engine, owner="shop", scopes=("read", "submit")
     ).secret
     bearer = {"Authorization": f"Bearer {secret}"}
     created = requests.post(

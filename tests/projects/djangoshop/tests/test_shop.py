@@ -19,7 +19,7 @@ def number() -> str:
 def test_a_job_submitted_in_atomic_commits_with_the_order(deployment_worker: object) -> None:
     with transaction.atomic():
         order = Order.objects.create(number=number())
-        job = conveyor.client.submit("conveyor.demo.square", {"n": 7})
+        job = conveyor.submit("conveyor.demo.square", {"n": 7})
         order.job_id = job.id
         order.save()
     assert job.wait(30) == "succeeded" and job.result == {"n": 49}
@@ -36,13 +36,13 @@ def test_a_job_committed_but_never_published_is_published_by_the_relay(deploymen
 
     with pytest.raises(ZeroDivisionError), transaction.atomic():
         transaction.on_commit(crash)
-        job = conveyor.client.submit("conveyor.demo.square", {"n": 6})
+        job = conveyor.submit("conveyor.demo.square", {"n": 6})
     assert job.row()["status"] in ("queued", "running", "succeeded")  # committed
     assert job.wait(15) == "succeeded" and job.result == {"n": 36}
 
 
 def test_outside_atomic_it_commits_at_once(deployment_worker: object) -> None:
-    job = conveyor.client.submit("conveyor.demo.square", {"n": 3}, idempotency_key=number())
+    job = conveyor.submit("conveyor.demo.square", {"n": 3}, idempotency_key=number())
     assert job.wait(30) == "succeeded" and job.result == {"n": 9}
 
 
@@ -50,7 +50,7 @@ def test_a_rollback_leaves_no_order_and_no_job(deployment_worker: object) -> Non
     ref = number()
     with pytest.raises(RuntimeError), transaction.atomic():
         Order.objects.create(number=ref)
-        job = conveyor.client.submit("conveyor.demo.square", {"n": 5})
+        job = conveyor.submit("conveyor.demo.square", {"n": 5})
         raise RuntimeError("payment declined")
     assert not Order.objects.filter(number=ref).exists()
     with pytest.raises(LookupError):
@@ -60,11 +60,11 @@ def test_a_rollback_leaves_no_order_and_no_job(deployment_worker: object) -> Non
 def test_a_savepoint_rolled_back_drops_only_its_job(deployment_worker: object) -> None:
     with transaction.atomic():
         kept_order = Order.objects.create(number=number())
-        kept = conveyor.client.submit("conveyor.demo.square", {"n": 2})
+        kept = conveyor.submit("conveyor.demo.square", {"n": 2})
         try:
             with transaction.atomic():
                 Order.objects.create(number=number())
-                dropped = conveyor.client.submit("conveyor.demo.square", {"n": 4})
+                dropped = conveyor.submit("conveyor.demo.square", {"n": 4})
                 raise ValueError("this line item is out of stock")
         except ValueError:
             pass
@@ -78,7 +78,7 @@ def test_an_order_created_earlier_in_the_block_survives_the_submit(deployment_wo
     """SQLAlchemy's first connect rolls back: it must never happen on Django's connection."""
     with transaction.atomic():
         first = Order.objects.create(number=number())
-        conveyor.client.submit("conveyor.demo.square", {"n": 1})
+        conveyor.submit("conveyor.demo.square", {"n": 1})
         second = Order.objects.create(number=number())
     assert set(Order.objects.values_list("pk", flat=True)) == {first.pk, second.pk}
 
@@ -86,7 +86,7 @@ def test_an_order_created_earlier_in_the_block_survives_the_submit(deployment_wo
 def test_the_shops_own_stage_runs_on_its_own_worker(conveyor_worker: object) -> None:
     order = Order.objects.create(number=number())
     with transaction.atomic():
-        job = conveyor.client.submit("shop.orders.ship", {"number": order.number})
+        job = conveyor.submit("shop.orders.ship", {"number": order.number})
     assert job.wait(30) == "succeeded"
     order.refresh_from_db()
     assert order.shipped
@@ -96,7 +96,7 @@ def test_tests_use_the_test_database_and_the_test_redis(conveyor_database: str) 
     from django.conf import settings
     from django.db import connection
 
-    used = conveyor.client.by_name().settings
+    used = conveyor.client().settings
     assert connection.settings_dict["NAME"].startswith("test_") and used.database_url == conveyor_database
     assert connection.settings_dict["NAME"] in conveyor_database
     assert used.redis_url == settings.CONVEYOR["TEST"]["REDIS_URL"]
