@@ -31,13 +31,14 @@ if TYPE_CHECKING:
     from conveyor.client.by_name import Client
     from conveyor.client.by_name_async import AsyncClient
     from conveyor.settings import ConveyorSettings
-    from conveyor.shared import current_platform
+    from conveyor.shared import current_job, current_platform
 
 # Imported on first use: ``import conveyor.errors`` (every module does) stays light.
 _LAZY = {
     "Client": "conveyor.client.by_name",
     "AsyncClient": "conveyor.client.by_name_async",
     "current_platform": "conveyor.shared",
+    "current_job": "conveyor.shared",
 }
 
 
@@ -96,5 +97,6 @@ __all__ = [
     "TransientError",
     "UnknownStage",
     "connect",
+    "current_job",
     "current_platform",
 ]

@@ -234,7 +234,7 @@ class Platform:
         self,
         name: str,
         *,
-        payload: type[BaseModel],
+        payload: type[BaseModel] | None = None,
         queue: str | None = None,
         max_attempts: int | None = None,
         retry: RetryPolicy | None = None,
@@ -252,7 +252,9 @@ class Platform:
         on_retry: Callable[[Any, Any], None] | None = None,
         on_stalled: Callable[[Any, Any, int], None] | None = None,
     ) -> Callable[[Callable[..., Any]], StageTask]:
-        """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``.
+        """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``; without
+        ``payload``, ``fn`` is an ordinary function (``def add(x, y)``): its parameters
+        are the payload's fields, in order, and its job is :func:`conveyor.shared.current_job`.
 
         Policy lives here: queue, attempts, retry schedule, time limits, priority and a
         label function for humans. Deployment overrides (``CONVEYOR_STAGES``) win.

@@ -10,9 +10,11 @@ imports stage code at all.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 from celery import current_app
@@ -24,11 +26,15 @@ _lock = threading.Lock()
 _declared: dict[str, tuple[Callable[..., Any], dict[str, Any]]] = {}
 _platforms: weakref.WeakSet[Any] = weakref.WeakSet()
 _newest: list[weakref.ref[Any]] = []
+# The attempt running in this thread (or task): the runner sets it around every body.
+_job: contextvars.ContextVar[Any] = contextvars.ContextVar("conveyor_job")
 
 
 def stage(name: str, **options: Any) -> Callable[[Callable[..., Any]], Any]:
     """Declare ``fn(ctx, payload)`` as stage ``name`` on every platform (the options are
-    those of :meth:`conveyor.platform.Platform.stage`).
+    those of :meth:`conveyor.platform.Platform.stage`); without ``payload=``, ``fn`` is an
+    ordinary function (``def add(x, y)``) whose parameters are the payload's fields, and
+    its job is :func:`current_job`.
 
     Returns a proxy to the task of the current platform, so ``extract.s(...)`` and
     ``extract.delay(...)`` work as on a task.
@@ -55,6 +61,26 @@ def attach(platform: Any) -> None:
         platform.stage(name, **options)(fn)
 
 
+def current_job() -> Any:
+    """The :class:`conveyor.worker.context.JobContext` of the attempt running in this
+    thread: what a stage declared on a plain signature has instead of a ``ctx`` parameter.
+    Raises ``LookupError`` outside a stage body."""
+    try:
+        return _job.get()
+    except LookupError:
+        raise LookupError("no job is running here: current_job() is for a stage's body") from None
+
+
+@contextmanager
+def job_scope(ctx: Any) -> Iterator[None]:
+    """Make ``ctx`` the :func:`current_job` while a body runs (the runner's)."""
+    token = _job.set(ctx)
+    try:
+        yield
+    finally:
+        _job.reset(token)
+
+
 def current_platform() -> Any:
     """The platform of this process: the current Celery app's (a worker sets its app
     current), else the one created last."""
@@ -69,4 +95,4 @@ def current_platform() -> Any:
     return platform
 
 
-__all__ = ["attach", "current_platform", "stage"]
+__all__ = ["attach", "current_job", "current_platform", "job_scope", "stage"]

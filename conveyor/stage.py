@@ -6,15 +6,19 @@ The Celery task class that runs a stage is :class:`conveyor.worker.task.StageTas
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from kombu.utils import json as kombu_json
+from pydantic import BaseModel, ValidationError, create_model
+from pydantic_core import to_jsonable_python
 
 from conveyor.dedup import Dedup
-from conveyor.errors import PayloadInvalid, PayloadTooLarge
+from conveyor.errors import ConfigurationError, PayloadInvalid, PayloadTooLarge
 from conveyor.retry import Backoff, RetryPolicy
 
 # ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.worker.context.JobContext`.
@@ -49,6 +53,9 @@ class StageSpec:
     # Called when an attempt whose worker was lost is taken over (connection, payload,
     # attempts so far), in its own transaction.
     on_stalled: Callable[[Any, Any, int], None] | None = None
+    # Declared on a plain signature (``def add(x, y)``): every positional argument, a
+    # dict or a list included, takes the next parameter, as in Celery.
+    positional: bool = False
 
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""
@@ -67,21 +74,62 @@ class StageSpec:
             return self.name
 
 
+class _WireEncoder(kombu_json.JSONEncoder):
+    """kombu's JSON (bytes, datetimes, Decimal and UUID tagged as on the wire), plus models,
+    dataclasses and what pydantic can make JSON of (enums, sets...)."""
+
+    def default(self, o: Any) -> Any:
+        if isinstance(o, BaseModel):
+            return o.model_dump(mode="python")
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            return dataclasses.asdict(o)
+        try:
+            return super().default(o)  # type: ignore[no-untyped-call]
+        except TypeError:
+            return to_jsonable_python(o)
+
+
+def wire_text(value: Any) -> str:
+    """``value`` in kombu's JSON, as a message carries it."""
+    text = kombu_json.dumps(  # type: ignore[no-untyped-call]
+        value, cls=_WireEncoder, separators=(",", ":"), ensure_ascii=False
+    )
+    return str(text)
+
+
+def to_wire(value: Any) -> Any:
+    """``value`` as JSON-ready data in kombu's encoding: what a JSON column stores, with
+    bytes, datetimes, Decimal and UUID kept as kombu's ``{"__type__", "__value__"}`` tags."""
+    return json.loads(wire_text(value))
+
+
+def from_wire(data: Any) -> Any:
+    """Stored JSON data back to the values that were sent (kombu's tags decoded); anything
+    but a dict or a list (a scalar, an exception) is returned as it is."""
+    if not isinstance(data, (dict, list)):
+        return data
+    try:
+        return kombu_json.loads(json.dumps(data))  # type: ignore[no-untyped-call]
+    except ValueError:  # a tag of a type this process does not know: left as it is
+        return data
+
+
 def checked_payload(stage: str, model: BaseModel, limit: int) -> dict[str, Any]:
-    """The payload as stored (JSON-ready), refused when its JSON is over ``limit`` bytes."""
-    return checked_size(stage, model.model_dump(mode="json"), limit)
+    """The payload as stored (kombu's JSON), refused when that JSON is over ``limit`` bytes."""
+    return checked_size(stage, model, limit)
 
 
-def checked_size(stage: str, data: dict[str, Any], limit: int) -> dict[str, Any]:
-    """``data`` (JSON-ready), refused with :class:`PayloadTooLarge` when its JSON is over
-    ``limit`` bytes."""
-    size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode())
+def checked_size(stage: str, data: Any, limit: int) -> dict[str, Any]:
+    """``data`` as stored (JSON-ready, kombu's tags for bytes, datetimes, Decimal, UUID),
+    refused with :class:`PayloadTooLarge` when that JSON is over ``limit`` bytes."""
+    text = wire_text(data)
+    size = len(text.encode())
     if size > limit:
         raise PayloadTooLarge(
             f"payload for {stage} is {size} bytes of JSON, over the limit of {limit} bytes "
             "(max_payload_bytes): pass ids or references to stored data, not the data itself"
         )
-    return data
+    return dict(json.loads(text))
 
 
 def kept_if_small(data: Any, exc: PayloadInvalid) -> dict[str, Any]:
@@ -91,7 +139,7 @@ def kept_if_small(data: Any, exc: PayloadInvalid) -> dict[str, Any]:
     if isinstance(exc, PayloadTooLarge) or not isinstance(data, Mapping):
         return {}
     try:
-        return dict(json.loads(json.dumps(dict(data), default=str)))
+        return dict(to_wire(dict(data)))
     except (TypeError, ValueError):
         return {}
 
@@ -105,40 +153,85 @@ def readable_validation_error(stage: str, exc: ValidationError) -> str:
     return f"invalid payload for {stage}: " + "; ".join(parts)
 
 
-def payload_from_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """Merge a Celery call into one payload mapping.
+def payload_from_call(spec: StageSpec, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Map a Celery call onto ``spec``'s payload: positional arguments take the payload's
+    fields in their declared order, then the keyword arguments apply.
 
-    Keyword arguments are the payload. A dict positional argument is the previous chain
-    link's result and is merged under the keywords; a list is a chord header's results
-    and arrives as ``results``.
+    A chain passes the previous link's result as the first positional argument. In a stage
+    declared with ``payload=`` (``fn(ctx, payload)``), a dict positional argument is still
+    merged as fields under the keywords and a list (a chord header's results) arrives as
+    ``results``, and ``None`` is skipped; in a stage declared on a plain signature
+    (``spec.positional``) every positional argument takes the next parameter, as in Celery.
     """
+    fields = list(spec.payload.model_fields)
     data: dict[str, Any] = {}
+    values: list[Any] = []
     for arg in args:
-        if isinstance(arg, Mapping):
-            data.update(arg)
-        elif isinstance(arg, list):
-            data["results"] = arg
-        elif arg is not None:
-            raise PayloadInvalid(
-                f"positional argument of type {type(arg).__name__} is not accepted: "
-                "pass the payload as keyword arguments"
-            )
-    data.update(kwargs)
+        if not spec.positional:
+            if isinstance(arg, Mapping):
+                data.update(arg)
+                continue
+            if isinstance(arg, list):
+                data["results"] = arg
+                continue
+            if arg is None:
+                continue
+        values.append(arg)
+    if len(values) > len(fields):
+        raise PayloadInvalid(
+            f"{spec.name} takes {len(fields)} positional argument{'' if len(fields) == 1 else 's'} "
+            f"but {len(values)} were given (fields in order: {', '.join(fields) or 'none'})"
+        )
+    placed = dict(zip(fields, values, strict=False))
+    data.update(placed)
+    for key, value in kwargs.items():
+        if key in placed:
+            raise PayloadInvalid(f"{spec.name} got multiple values for {key!r}: positionally and by keyword")
+        data[key] = value
     return data
 
 
+def plain_stage(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], StageFn]:
+    """The payload model of a stage declared on a plain signature (``def add(x, y)``), one
+    field per parameter with its annotation (``Any`` if none) and default, and the body
+    that calls ``fn`` with the validated fields as keyword arguments."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # unresolvable annotations: validate nothing rather than refuse
+        hints = {}
+    fields: dict[str, Any] = {}
+    for param in inspect.signature(fn).parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+            raise ConfigurationError(
+                f"stage {name}: parameter {param.name!r} must be an ordinary parameter "
+                "(no *args, **kwargs or positional-only): a payload has named fields"
+            )
+        if param.name.startswith("_"):
+            raise ConfigurationError(f"stage {name}: parameter {param.name!r} may not start with '_'")
+        default = ... if param.default is param.empty else param.default
+        fields[param.name] = (hints.get(param.name, Any), default)
+    model_name = "".join(part.title() for part in name.split(".")[-1].split("_")) + "Payload"
+    model: type[BaseModel] = create_model(model_name, **fields)
+    names = list(fields)
+
+    def body(_ctx: Any, payload: BaseModel) -> Any:
+        return fn(**{n: getattr(payload, n) for n in names})
+
+    return model, body
+
+
 def to_jsonable(value: Any) -> Any:
-    """A stage's return value as JSON-ready data."""
+    """A stage's return value as stored: JSON-ready data in kombu's encoding (models and
+    dataclasses as their fields); :func:`from_wire` gives back what the body returned."""
     if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
+        value = value.model_dump(mode="python")
+    return to_wire(value)
 
 
 def format_key(template: str, payload: Mapping[str, Any]) -> str:
-    """A stage's lease key (``"user:{user_id}"``) filled from the payload."""
-    return template.format(**payload)[:200]
+    """A stage's lease key (``"user:{user_id}"``) filled from the payload, a stored one
+    (kombu's tags) or a model's JSON dump alike: each value in its JSON form."""
+    return template.format(**to_jsonable_python(from_wire(dict(payload))))[:200]
 
 
 def signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from conveyor.errors import ConfigurationError
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.settings import ConveyorSettings
-from conveyor.stage import StageFn, StageSpec
+from conveyor.stage import StageFn, StageSpec, plain_stage
 
 STAGE_NAME = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*){2,}$")
 
@@ -40,7 +40,7 @@ class Stages(dict[str, StageSpec]):
         self,
         name: str,
         *,
-        payload: type[BaseModel],
+        payload: type[BaseModel] | None,
         queue: str | None,
         max_attempts: int | None,
         retry: RetryPolicy | None,
@@ -52,7 +52,9 @@ class Stages(dict[str, StageSpec]):
         """Check a declaration now and resolve its policy (deployment overrides from
         ``CONVEYOR_STAGES`` win); returns what registers the spec of its body.
 
-        ``policy`` is the rest of :class:`StageSpec`'s fields, taken as declared.
+        ``policy`` is the rest of :class:`StageSpec`'s fields, taken as declared. Without
+        ``payload`` the body is an ordinary function whose parameters are the payload
+        (:func:`conveyor.stage.plain_stage`).
         """
         settings = self._connections.settings
         if not STAGE_NAME.match(name):
@@ -73,10 +75,12 @@ class Stages(dict[str, StageSpec]):
         attempts = override.max_attempts or max_attempts or settings.default_max_attempts
 
         def register(fn: StageFn) -> StageSpec:
+            model, body = (payload, fn) if payload is not None else plain_stage(name, fn)
             spec = StageSpec(
                 name=name,
-                fn=fn,
-                payload=payload,
+                fn=body,
+                payload=model,
+                positional=payload is None,
                 queue=queue,
                 max_attempts=attempts,
                 retry=retry or Backoff(),

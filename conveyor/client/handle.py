@@ -11,6 +11,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from conveyor.delivery.connections import Connections
+from conveyor.stage import from_wire
 from conveyor.store.db import schema as s
 from conveyor.store.db.engine import reading
 from conveyor.store.jobs import JobStore, Row
@@ -77,8 +78,9 @@ class JobHandle:
 
     @property
     def result(self) -> Any:
-        """The stored result of a succeeded job (None otherwise)."""
-        return self.row()["result"]
+        """The stored result of a succeeded job (None otherwise), bytes, datetimes, Decimal
+        and UUID as the body returned them."""
+        return from_wire(self.row()["result"])
 
     def wait(self, timeout: float = 30.0) -> str:
         """Block until the job is terminal; returns the status. Raises ``TimeoutError``.

@@ -205,7 +205,7 @@ class Submitter:
             raise ConfigurationError(
                 f"stage {spec.name} is preemptable and cannot be a chord or group member"
             )
-        model = spec.validate(payload_from_call(args, kwargs))
+        model = spec.validate(payload_from_call(spec, args, kwargs))
         # Relative times count on the database's clock; absolute ones are stored as given.
         delay = float(options.get("countdown") or 0.0)
         eta = options.get("eta")

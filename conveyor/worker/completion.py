@@ -20,7 +20,7 @@ from conveyor.delivery.connections import Connections
 from conveyor.errors import LeaseLost, describe, is_connection_loss, is_permanent
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
-from conveyor.stage import StageSpec
+from conveyor.stage import StageSpec, from_wire
 from conveyor.store.db import schema as s
 from conveyor.store.db.schema import jobs
 from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, format_traceback, new_event
@@ -141,7 +141,7 @@ class Completion:
 
     def _store_origin(self, task: Task, origin: str, result: Any) -> None:
         try:
-            task.backend.store_result(origin, result, "SUCCESS")
+            task.backend.store_result(origin, from_wire(result), "SUCCESS")
         except Exception:
             log.warning("could not store the result of task %s", origin, exc_info=True)
 

@@ -24,7 +24,7 @@ from conveyor.dedup import DedupPlan
 from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid
 from conveyor.metrics import Metrics
-from conveyor.stage import kept_if_small, payload_from_call, signature_options
+from conveyor.stage import from_wire, kept_if_small, payload_from_call, signature_options
 from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
@@ -58,11 +58,11 @@ class Continuations:
         spec = self.stages.spec(sig.task)
         args = tuple(sig.args or ())
         if not sig.immutable:
-            args = (result, *args)
+            args = (from_wire(result), *args)  # stored in kombu's JSON: the value itself
         invalid: tuple[str, str] | None = None
         raw: Any = {}
         try:
-            raw = payload_from_call(args, dict(sig.kwargs or {}))
+            raw = payload_from_call(spec, args, dict(sig.kwargs or {}))
             model = spec.validate(raw)
             payload = self.recorder.payload_of(spec, model)
         except PayloadInvalid as exc:

@@ -27,7 +27,7 @@ from conveyor.client.stops import report_revoked
 from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid, PayloadTooLarge, PermanentError, RequeuesExhausted, WorkerLost
 from conveyor.metrics import Metrics
-from conveyor.stage import to_jsonable
+from conveyor.stage import from_wire, to_jsonable
 from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.db.dialect import db_now, is_sqlite
@@ -215,7 +215,7 @@ class Flow:
         if not origin or not s.wants_celery_result(row):
             return
         try:
-            self.connections.app.backend.store_result(origin, result, "SUCCESS")
+            self.connections.app.backend.store_result(origin, from_wire(result), "SUCCESS")
         except Exception:
             log.warning("could not store the result of follower %s", row["id"], exc_info=True)
 
@@ -370,7 +370,7 @@ class Flow:
             root_id=options.get("root_id"),
         )
         try:
-            self.connections.app.backend.on_chord_part_return(request, state, result)
+            self.connections.app.backend.on_chord_part_return(request, state, from_wire(result))
         except Exception:
             log.warning("could not count job %s in its chord", row["id"], exc_info=True)
 

@@ -33,7 +33,8 @@ from conveyor.errors import (
 )
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
-from conveyor.stage import StageSpec, kept_if_small, payload_from_call, to_jsonable
+from conveyor.shared import job_scope
+from conveyor.stage import StageSpec, from_wire, kept_if_small, payload_from_call, to_jsonable
 from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, new_event
@@ -85,10 +86,11 @@ class Runner:
 
     def run_inline(self, spec: StageSpec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A direct function call (``stage(...)``): validate and run, no job row."""
-        payload = spec.validate(payload_from_call(args, kwargs))
+        payload = spec.validate(payload_from_call(spec, args, kwargs))
         ctx = JobContext(self.context_services, job_id="inline", attempt=1, stage=spec.name, flow_id=None)
         try:
-            return to_jsonable(spec.fn(ctx, payload))
+            with job_scope(ctx):
+                return from_wire(to_jsonable(spec.fn(ctx, payload)))
         finally:
             ctx.close()
 
@@ -237,20 +239,21 @@ class Runner:
         self.heartbeat.track(ctx)
         started = time.monotonic()
         try:
-            payload = spec.validate(job["payload"])
+            payload = spec.validate(from_wire(job["payload"]))
             if spec.lease_key:
                 ctx.held = self.leases.take(ctx.job_id, ctx.attempt, spec, payload)
-            result = to_jsonable(spec.fn(ctx, payload))
+            with job_scope(ctx):
+                result = to_jsonable(spec.fn(ctx, payload))
             ctx.checkpoint(fresh=False)  # the body is done: the polled flag is enough
             self.completion.complete(task, spec, job, ctx, result)
             self.metrics.observe_runtime(spec.name, time.monotonic() - started)
-            return result
+            return from_wire(result)  # Celery's result backend carries it in kombu's JSON
         except (Ignore, Reject):
             raise
         except SkipJob as skip:
             result = to_jsonable(skip.result)
             self.completion.complete(task, spec, job, ctx, result, skipped=skip.reason)
-            return result
+            return from_wire(result)
         except Interrupted as exc:
             ctx.close()
             if ctx.held is not None:
@@ -332,7 +335,7 @@ class Runner:
             # if the worker died before counting it, this counts it now.
             self.flow.count_in_chord(job, "SUCCESS", job["result"])
             raise Ignore()
-        return job["result"]
+        return from_wire(job["result"])
 
     # -- adoption & skips ---------------------------------------------------------------
 
@@ -390,7 +393,7 @@ class Runner:
         new.follow = True
         raw: Any = {}
         try:
-            raw = payload_from_call(args, kwargs)
+            raw = payload_from_call(spec, args, kwargs)
             payload = spec.validate(raw)
             data = self.recorder.payload_of(spec, payload)
         except PayloadInvalid as exc:

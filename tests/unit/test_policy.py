@@ -54,10 +54,16 @@ def test_payload_validation_is_readable_and_hides_values() -> None:
 
 
 def test_payload_from_call_merges_chain_results_and_chord_lists() -> None:
-    assert payload_from_call(({"n": 1},), {"m": 2}) == {"n": 1, "m": 2}
-    assert payload_from_call(([1, 2],), {}) == {"results": [1, 2]}
-    with pytest.raises(PayloadInvalid, match="keyword"):
-        payload_from_call((5,), {})
+    spec = StageSpec(name="conveyor.t.x", fn=lambda c, p: None, payload=P, queue="q", max_attempts=1)
+    assert payload_from_call(spec, ({"n": 1},), {"m": 2}) == {"n": 1, "m": 2}
+    assert payload_from_call(spec, ([1, 2],), {}) == {"results": [1, 2]}
+    assert payload_from_call(spec, (5,), {}) == {"n": 5}  # positional: the fields in order (#29)
+    with pytest.raises(PayloadInvalid, match="takes 1 positional argument but 2 were given"):
+        payload_from_call(spec, (5, 6), {})
+    plain = StageSpec(
+        name="conveyor.t.y", fn=lambda c, p: None, payload=P, queue="q", max_attempts=1, positional=True
+    )
+    assert payload_from_call(plain, ({"a": 1},), {}) == {"n": {"a": 1}}  # Celery's rule
 
 
 def test_cursor_round_trip() -> None:
