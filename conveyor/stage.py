@@ -24,6 +24,11 @@ from conveyor.retry import Backoff, RetryPolicy
 # ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.worker.context.JobContext`.
 StageFn = Callable[[Any, Any], Any]
 
+# Set by the runner on a stage delivery's Celery request: (the message's task id, the job's
+# task id). A retry or a republish carries a job in a message of another id; what the job
+# sends from its delivery names the job's id, as Celery names the task's.
+JOB_IDS_ATTR = "conveyor_job_ids"
+
 
 @dataclass(frozen=True)
 class StageSpec:
@@ -72,6 +77,40 @@ class StageSpec:
             return str(self.label(payload))[:200]
         except Exception:  # a label must never break a submit
             return self.name
+
+
+class Record(Mapping[str, Any]):
+    """A read-only mapping whose keys are also attributes (``request.id`` and
+    ``request["id"]``): an errback stage's ``request`` and ``exc``. Stored in kombu's JSON
+    as a tagged object, so it reaches the body as it was sent; ``str()`` of an ``exc`` is
+    its message."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> typing.Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return object.__getattribute__(self, "_data")[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __str__(self) -> str:
+        return str(self._data.get("message", self._data))
+
+    def __repr__(self) -> str:
+        return f"Record({self._data!r})"
+
+
+kombu_json.register_type(Record, "conveyor.record", lambda r: dict(r), Record)
 
 
 class _WireEncoder(kombu_json.JSONEncoder):
@@ -232,6 +271,24 @@ def format_key(template: str, payload: Mapping[str, Any]) -> str:
     """A stage's lease key (``"user:{user_id}"``) filled from the payload, a stored one
     (kombu's tags) or a model's JSON dump alike: each value in its JSON form."""
     return template.format(**to_jsonable_python(from_wire(dict(payload))))[:200]
+
+
+def lineage(app: Any, options: Mapping[str, Any], job_id: str) -> tuple[str | None, str]:
+    """The ``(parent_id, root_id)`` of a task sent with ``options``, by Celery's rule: ids
+    not given are the sending worker task's (its id the parent, its root the root); a task
+    sent from no task is its own root. A stage's delivery names its job's task id, not its
+    message's (:data:`JOB_IDS_ATTR`)."""
+    parent_id = options.get("parent_id") or None
+    root_id = options.get("root_id") or None
+    current = app.current_worker_task
+    if current is not None:
+        req = current.request
+        message_id, own = getattr(req, JOB_IDS_ATTR, None) or (req.id, req.id)
+        parent_id = parent_id or req.id
+        root_id = root_id or req.root_id or own
+        parent_id = own if parent_id == message_id else parent_id
+        root_id = own if root_id == message_id else root_id
+    return parent_id, root_id or job_id
 
 
 def signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any) -> dict[str, Any]:

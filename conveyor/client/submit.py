@@ -39,7 +39,7 @@ from conveyor.dedup import Dedup, DedupPlan, Reuse
 from conveyor.delivery.connections import Connections
 from conveyor.errors import ConfigurationError, PayloadInvalid, SubmitFailed, describe, is_connection_loss
 from conveyor.metrics import Metrics
-from conveyor.stage import StageSpec, payload_from_call, signature_options
+from conveyor.stage import StageSpec, lineage, payload_from_call, signature_options
 from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.db.namespace import use_schema
@@ -211,8 +211,11 @@ class Submitter:
         eta = options.get("eta")
         expires = options.get("expires")
         expires_in = float(expires) if isinstance(expires, (int, float)) else None
-        stored = signature_options(options, link=link, link_error=link_error)
         job_id = task_id or str(uuid.uuid4())
+        parent_id, root_id = lineage(self.connections.app, options, job_id)
+        # A job that is its own root stores none: its messages say so (broker.publish).
+        lineage_ids = {"parent_id": parent_id, "root_id": root_id if root_id != job_id else None}
+        stored = signature_options({**options, **lineage_ids}, link=link, link_error=link_error)
         new = NewJob(
             id=job_id,
             stage=spec.name,
@@ -227,7 +230,8 @@ class Submitter:
             expires_at=utc_or_none(expires) if not isinstance(expires, (int, float)) else None,
             options=stored,
             origin_task_id=job_id,
-            parent_id=options.get("parent_id") or None,
+            # The options carry any parent's id; the column, a job's (a plain task's may be longer).
+            parent_id=parent_id if parent_id and len(parent_id) <= s.JOB_ID_LENGTH else None,
         )
         if isinstance(new.queue, Queue):
             new.queue = new.queue.name

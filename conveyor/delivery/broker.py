@@ -320,7 +320,7 @@ class Broker:
             None,
             None,
             app.conf.task_send_sent_event,
-            options.get("root_id"),
+            options.get("root_id") or job_id,  # the job's task id, whatever this message's
             options.get("parent_id"),
             None,
             options.get("chain"),

@@ -189,6 +189,8 @@ class Completion:
                     carried = self.flow.carry_on(conn, job, exc)
                     if carried is not None:
                         continuation = self.continuations.take_over(conn, task.request, job, carried[0])
+                    else:
+                        continuation = self.continuations.take_errbacks(conn, task.request, job, exc)
                     status = s.DEAD
                 else:
                     settings = self.connections.settings

@@ -11,7 +11,8 @@ and runs again with the new input. Publishing them after commit is
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from celery import Signature, signature
@@ -22,13 +23,21 @@ from conveyor.client.followers import Followers
 from conveyor.client.recorder import Recorder
 from conveyor.dedup import DedupPlan
 from conveyor.delivery.connections import Connections
-from conveyor.errors import PayloadInvalid
+from conveyor.errors import PayloadInvalid, describe
+from conveyor.logs import redact_text
 from conveyor.metrics import Metrics
-from conveyor.stage import from_wire, kept_if_small, payload_from_call, signature_options
+from conveyor.stage import (
+    JOB_IDS_ATTR,
+    Record,
+    from_wire,
+    kept_if_small,
+    payload_from_call,
+    signature_options,
+)
 from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
-from conveyor.store.jobs import JobStore, NewJob, Row
+from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, format_traceback
 
 
 class Continuations:
@@ -53,12 +62,23 @@ class Continuations:
         self.followers = followers
         self.metrics = metrics
 
-    def continuation(self, sig: Signature, result: Any, parent: Row, extra: Mapping[str, Any]) -> NewJob:
-        """The job a chain link or link callback becomes; its id is fixed by the canvas."""
+    def continuation(
+        self,
+        sig: Signature,
+        result: Any,
+        parent: Row,
+        extra: Mapping[str, Any],
+        *,
+        leading: tuple[Any, ...] | None = None,
+        kind: str = "next",
+    ) -> NewJob:
+        """The job a chain link or link callback becomes (an errback, with ``leading`` as
+        its first arguments and ``kind="errback"``); its id is fixed by the canvas."""
         spec = self.stages.spec(sig.task)
         args = tuple(sig.args or ())
         if not sig.immutable:
-            args = (from_wire(result), *args)  # stored in kombu's JSON: the value itself
+            # The result is stored in kombu's JSON: passed on as the value itself.
+            args = (*(leading if leading is not None else (from_wire(result),)), *args)
         invalid: tuple[str, str] | None = None
         raw: Any = {}
         try:
@@ -70,7 +90,7 @@ class Continuations:
             invalid, payload = (type(exc).__name__, str(exc)), kept_if_small(raw, exc)
         opts = dict(sig.options or {})
         task_id = opts.pop("task_id", None)
-        job_id = task_id or str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:next:{parent['id']}:{sig.task}"))
+        job_id = task_id or str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:{kind}:{parent['id']}:{sig.task}"))
         stored = signature_options(
             {**opts, **extra}, link=opts.get("link"), link_error=opts.get("link_error")
         )
@@ -133,7 +153,8 @@ class Continuations:
         cleared from the request; links to plain tasks stay with Celery. Returns the jobs to
         publish after commit.
         """
-        extra = {"parent_id": request.id, "root_id": request.root_id or request.id}
+        own = task_id_of(job)  # the job's task id, whichever message carried it
+        extra = {"parent_id": own, "root_id": request.root_id or own}
         created, took_chain, took_callbacks = self.next_jobs(
             list(request.chain or []), list(request.callbacks or []), job, result, extra
         )
@@ -142,6 +163,49 @@ class Continuations:
         if took_callbacks:
             request.callbacks = None
         return self.insert(conn, created, upstream=str(job["id"]))
+
+    def take_errbacks(self, conn: Connection, request: Any, job: Row, error: BaseException) -> list[NewJob]:
+        """In a dead-letter transaction: the jobs the delivery's stage errbacks become
+        (:meth:`errback_jobs`), cleared from the request so Celery does not call them too.
+        Returns the jobs to publish after commit."""
+        errbacks = list(request.errbacks or [])
+        created, rest = self.errback_jobs(errbacks, job, error)
+        request.errbacks = rest or None
+        return self.insert(conn, created, upstream=str(job["id"]))
+
+    def errback_jobs(
+        self, errbacks: Sequence[Any], job: Row, error: BaseException
+    ) -> tuple[list[NewJob], list[Any]]:
+        """The jobs a dead job's ``link_error`` stages become, called as Celery calls an
+        errback, and the errbacks that are no stages (left to Celery).
+
+        Celery calls an errback whose function takes more than one argument still free
+        (not given by its signature) with ``(request, exc, traceback)``, else with
+        ``(task_id)``; a stage's arguments are its payload's fields. ``request`` holds the
+        failed task's ``id``, ``task``, ``args``, ``kwargs``, ``parent_id``, ``root_id``,
+        ``group``, ``group_index`` and ``retries``, ``exc`` its ``type`` and ``message``,
+        both a :class:`conveyor.stage.Record` (keys are attributes too, ``request.id``);
+        ``traceback`` is its text (scrubbed as the DLQ's are).
+        """
+        app = self.connections.app
+        sigs = [signature(e, app=app) for e in errbacks]
+        own = task_id_of(job)
+        options = job["options"] or {}
+        extra = {"parent_id": own, "root_id": options.get("root_id") or own}
+        created: list[NewJob] = []
+        rest: list[Any] = []
+        for sig, raw in zip(sigs, errbacks, strict=True):
+            if sig.task not in self.stages:
+                rest.append(raw)
+                continue
+            spec = self.stages.spec(sig.task)
+            given = dict(sig.kwargs or {})
+            free = [f for f in spec.payload.model_fields if f not in given][len(sig.args or ()) :]
+            leading: tuple[Any, ...] = (own,)
+            if len(free) > 1:
+                leading = (_request_of(job, own, extra["root_id"]), _exc_of(error), _traceback_of(error))
+            created.append(self.continuation(sig, None, job, extra, leading=leading, kind="errback"))
+        return created, rest
 
     def insert(self, conn: Connection, created: Sequence[NewJob], *, upstream: str) -> list[NewJob]:
         """Insert a completion's continuation jobs in its transaction.
@@ -214,4 +278,56 @@ class Continuations:
         return True
 
 
-__all__ = ["Continuations"]
+def task_id_of(job: Row) -> str:
+    """The task id of ``job`` as its canvas knows it: the job's id, the first message's
+    (a retry or a republish carries the job in a message of another id)."""
+    return str(job.get("origin_task_id") or job["id"])
+
+
+@contextmanager
+def seen_as_job(request: Any, job: Row) -> Iterator[None]:
+    """Mark a stage's delivery ``request`` with its job's task id for the whole delivery
+    (:data:`conveyor.stage.JOB_IDS_ATTR`), and while the body runs show it as the request's
+    ``id`` (and its root's, for a job that is its own root): a retry or a republish carries
+    the job in a message of another id, and the body sees the task id its canvas knows.
+    Celery's own bookkeeping after the body (the result, chord counting) keeps the
+    message's id."""
+    own = task_id_of(job)
+    message_id, message_root = request.id, request.root_id
+    setattr(request, JOB_IDS_ATTR, (message_id, own))
+    request.id = own
+    if message_root in (None, message_id):
+        request.root_id = own
+    try:
+        yield
+    finally:
+        request.id, request.root_id = message_id, message_root
+
+
+def _request_of(job: Row, own: str, root_id: str) -> Record:
+    """What an errback's ``request`` carries of the failed job."""
+    options = job["options"] or {}
+    return Record(
+        {
+            "id": own,
+            "task": job["stage"],
+            "args": [],
+            "kwargs": from_wire(dict(job["payload"] or {})),
+            "parent_id": options.get("parent_id"),
+            "root_id": root_id,
+            "group": options.get("group_id"),
+            "group_index": options.get("group_index"),
+            "retries": max(0, counted_attempts(job) - 1),
+        }
+    )
+
+
+def _exc_of(error: BaseException) -> Record:
+    return Record({"type": type(error).__name__, "message": redact_text(describe(error))[:2000]})
+
+
+def _traceback_of(error: BaseException) -> str:
+    return redact_text(format_traceback(error))
+
+
+__all__ = ["Continuations", "seen_as_job", "task_id_of"]

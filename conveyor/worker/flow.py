@@ -35,7 +35,7 @@ from conveyor.store.db.engine import reading
 from conveyor.store.db.schema import dedup_followers, jobs
 from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, new_event
-from conveyor.worker.continuations import Continuations
+from conveyor.worker.continuations import Continuations, task_id_of
 
 log = logging.getLogger("conveyor.flow")
 
@@ -258,15 +258,18 @@ class Flow:
         carried = self.carry_on(conn, row, error)
         if carried is not None:
             (result,) = carried
-            extra = {
-                "parent_id": row["celery_task_id"],
-                "root_id": options.get("root_id") or row["celery_task_id"],
-            }
+            own = task_id_of(row)
+            extra = {"parent_id": own, "root_id": options.get("root_id") or own}
             created, _, _ = self.continuations.next_jobs(
                 options.get("chain") or [], options.get("link") or [], row, result, extra
             )
             burial.continuation = self.continuations.insert(conn, created, upstream=str(row["id"]))
             burial.state, burial.result = "SUCCESS", result
+        else:
+            # Its stage errbacks run as jobs, as after a body's failure (plain tasks are not
+            # called: no worker holds a request of this job to call them with).
+            created, _ = self.continuations.errback_jobs(options.get("link_error") or [], row, error)
+            burial.continuation = self.continuations.insert(conn, created, upstream=str(row["id"]))
         return burial
 
     def carry_on(self, conn: Connection, row: Row, error: BaseException) -> tuple[Any] | None:

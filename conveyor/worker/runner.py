@@ -41,6 +41,7 @@ from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, new_
 from conveyor.worker.admission import Admission, Slot
 from conveyor.worker.completion import Completion
 from conveyor.worker.context import ContextServices, JobContext
+from conveyor.worker.continuations import seen_as_job
 from conveyor.worker.flow import Flow
 from conveyor.worker.heartbeat import Heartbeat
 from conveyor.worker.leases import Leases
@@ -242,7 +243,7 @@ class Runner:
             payload = spec.validate(from_wire(job["payload"]))
             if spec.lease_key:
                 ctx.held = self.leases.take(ctx.job_id, ctx.attempt, spec, payload)
-            with job_scope(ctx):
+            with job_scope(ctx), seen_as_job(task.request, job):
                 result = to_jsonable(spec.fn(ctx, payload))
             ctx.checkpoint(fresh=False)  # the body is done: the polled flag is enough
             self.completion.complete(task, spec, job, ctx, result)
