@@ -89,6 +89,12 @@ class PayloadInvalid(PermanentError):
         self.problems = tuple(problems)
 
 
+class ReplaceRefused(PermanentError):
+    """A stage body called ``Task.replace``: a job is its own row under its task id and
+    ends there, so another signature cannot take that id over (README, Differences from
+    Celery)."""
+
+
 class GarbageMessage(PermanentError):
     """A broker message that no stage can run."""
 

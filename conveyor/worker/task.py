@@ -10,6 +10,7 @@ from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from conveyor.client.submit import Submitter
+from conveyor.errors import ReplaceRefused
 from conveyor.stage import StageSpec
 from conveyor.worker.completion import Completion
 from conveyor.worker.runner import Runner
@@ -54,6 +55,15 @@ class StageTask(Task):  # type: ignore[misc]
         if self.request.called_directly:
             return self.runner.run_inline(self.spec, args, kwargs)
         return self.runner.execute(self, args, kwargs)
+
+    def replace(self, sig: Any) -> Any:
+        """Refused (:class:`conveyor.errors.ReplaceRefused`, the job dead-letters): Celery
+        would publish ``sig`` under this task's id, which is this job's id and row."""
+        raise ReplaceRefused(
+            f"stage {self.name} cannot replace itself (Task.replace): its task id is its job's id "
+            "and the job ends in its own row; chain the next stage, or submit it and return its "
+            "result (README: Differences from Celery)"
+        )
 
     def apply_async(
         self,
