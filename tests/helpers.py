@@ -7,12 +7,13 @@ import datetime as dt
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 
-from conveyor.store.db.schema import TERMINAL, dead_letters, jobs
+from conveyor.store.db.schema import TERMINAL, dead_letters, jobs, stages
 from tasks.demo.models import effects
 
 
@@ -62,6 +63,21 @@ def cancelling_leftovers(platform: Any) -> Iterator[None]:
         for job_id in left:
             with contextlib.suppress(LookupError):  # purged meanwhile
                 platform.cancel(job_id, by="tests", reason="its test ended")
+
+
+@contextlib.contextmanager
+def module_stages(platform: Any, prefix: str, declared: Mapping[str, Any]) -> Iterator[SimpleNamespace]:
+    """Stages a test module declares for itself (their names under ``prefix``), removed
+    afterwards with their registry rows: the registry tests of the same session expect the
+    deployment's stages alone."""
+    try:
+        yield SimpleNamespace(**declared)
+    finally:
+        for task in declared.values():
+            platform.stages.pop(task.name, None)
+            platform.app.tasks.pop(task.name, None)
+        with platform.engine.begin() as conn:
+            conn.execute(delete(stages).where(stages.c.name.like(f"{prefix}%")))
 
 
 def effect_count(platform: Any, *, job_id: str | None = None, note: str | None = None) -> int:

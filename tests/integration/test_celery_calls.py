@@ -13,13 +13,11 @@ from typing import Any
 import pytest
 from celery import chain, chord
 from pydantic import BaseModel
-from sqlalchemy import delete
 
 from conveyor.errors import PayloadInvalid, PayloadTooLarge
 from conveyor.shared import current_job
 from conveyor.store.db import schema as s
-from conveyor.store.db.schema import stages
-from tests.helpers import dead_letter_for, eventually, job_row
+from tests.helpers import dead_letter_for, eventually, job_row, module_stages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,12 +69,8 @@ def calls(platform: Any) -> Iterator[SimpleNamespace]:
         "scaled": platform.stage("conveyor.calls.scaled", payload=Scaled, queue="demo")(scaled),
         "blob": platform.stage("conveyor.calls.blob", payload=Blob, queue="demo")(blob),
     }
-    yield SimpleNamespace(**declared)
-    for task in declared.values():
-        platform.stages.pop(task.name, None)
-        platform.app.tasks.pop(task.name, None)
-    with platform.engine.begin() as conn:
-        conn.execute(delete(stages).where(stages.c.name.like("conveyor.calls.%")))
+    with module_stages(platform, "conveyor.calls.", declared) as declared_stages:
+        yield declared_stages
 
 
 def test_positional_chain_passes_the_parent_result_first(platform: Any, calls: Any, worker: Any) -> None:

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 from celery import chain, chord, current_task, group
-from sqlalchemy import delete, select
+from sqlalchemy import select
 
 from conveyor.errors import PermanentError
 from conveyor.runfile import owner_id
 from conveyor.shared import current_job
 from conveyor.store.db import schema as s
-from conveyor.store.db.schema import jobs, stages
+from conveyor.store.db.schema import jobs
 from conveyor.store.jobs import ClaimOutcome, NewJob
-from tests.helpers import eventually, job_row, publish_again
+from tests.helpers import eventually, job_row, module_stages, publish_again
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -91,12 +91,8 @@ def canvas(platform: Any) -> Iterator[SimpleNamespace]:
         "on_error": platform.stage("conveyor.canvas.on_error", queue="demo")(on_error),
         "on_error_old": platform.stage("conveyor.canvas.on_error_old", queue="demo")(on_error_old),
     }
-    yield SimpleNamespace(**declared)
-    for task in declared.values():
-        platform.stages.pop(task.name, None)
-        platform.app.tasks.pop(task.name, None)
-    with platform.engine.begin() as conn:
-        conn.execute(delete(stages).where(stages.c.name.like("conveyor.canvas.%")))
+    with module_stages(platform, "conveyor.canvas.", declared) as declared_stages:
+        yield declared_stages
 
 
 def _root_of(res: Any) -> Any:

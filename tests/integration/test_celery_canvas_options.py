@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 from celery import chain, chord, current_task, group
-from sqlalchemy import delete, select
+from sqlalchemy import select
 
 from conveyor.errors import PermanentError, ReplaceRefused
 from conveyor.shared import current_job
 from conveyor.store.db import schema as s
-from conveyor.store.db.schema import jobs, stages
-from tests.helpers import eventually, job_row
+from conveyor.store.db.schema import jobs
+from tests.helpers import eventually, job_row, module_stages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,12 +58,8 @@ def canvas(platform: Any) -> Iterator[SimpleNamespace]:
         "on_error_old": platform.stage("conveyor.canvasopt.on_error_old", queue="demo")(on_error_old),
         "replacing": platform.stage("conveyor.canvasopt.replacing", queue="demo")(replacing),
     }
-    yield SimpleNamespace(**declared)
-    for task in declared.values():
-        platform.stages.pop(task.name, None)
-        platform.app.tasks.pop(task.name, None)
-    with platform.engine.begin() as conn:
-        conn.execute(delete(stages).where(stages.c.name.like("conveyor.canvasopt.%")))
+    with module_stages(platform, "conveyor.canvasopt.", declared) as declared_stages:
+        yield declared_stages
 
 
 def _waited(platform: Any, job_id: str) -> float:
