@@ -58,7 +58,10 @@ class Stages(dict[str, StageSpec]):
         """
         settings = self._connections.settings
         if not STAGE_NAME.match(name):
-            raise ConfigurationError(f"stage name {name!r} must look like 'conveyor.<family>.<verb>'")
+            raise ConfigurationError(
+                f"stage name {name!r} must be three or more dot-separated lower-case parts "
+                "(letters, digits, _), like 'conveyor.<family>.<verb>' or 'shop.orders.ship'"
+            )
         queue = queue or self._default_queue
         if queue not in self._queue_names:
             raise ConfigurationError(f"stage {name}: queue {queue!r} is not declared in config")

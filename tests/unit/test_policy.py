@@ -74,3 +74,22 @@ def test_cursor_round_trip() -> None:
     for bad in ("x", "-1", "1:x"):
         with pytest.raises(ValueError):
             parse_cursor(bad)
+
+
+def test_a_refused_stage_name_says_the_rule_it_breaks() -> None:
+    """A Celery user's ``tasks.add`` is refused with the rule, not only an example of it."""
+    from celery import Celery
+
+    from conveyor.errors import ConfigurationError
+    from conveyor.settings import ConveyorSettings
+    from conveyor.stages import Stages
+
+    class Carrier:
+        settings = ConveyorSettings()
+
+    declared = Stages(Celery(set_as_current=False), Carrier(), queue_names={"demo"}, default_queue="demo")
+    with pytest.raises(ConfigurationError, match="three or more dot-separated lower-case parts"):
+        declared.declare(
+            "tasks.add", payload=BaseModel, queue=None, max_attempts=None, retry=None,
+            time_limit=None, soft_time_limit=None, concurrency=None,
+        )  # fmt: skip
