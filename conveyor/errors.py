@@ -76,6 +76,26 @@ class LeaseLost(TransientError):
     """This attempt no longer owns the job (fencing token or lease check failed)."""
 
 
+class RetryRequested(TransientError):
+    """A stage body asked for another attempt (Celery's ``Task.retry``): the attempt counts,
+    the next one runs after ``delay`` seconds (``None``: the stage's schedule), and no more
+    than ``max_attempts`` counted attempts run in all (``None``: the stage's own budget).
+    ``cause`` is the error the body gave (``retry(exc=...)``), if any."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        delay: float | None = None,
+        max_attempts: int | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.delay = delay
+        self.max_attempts = max_attempts
+        self.cause = cause
+
+
 class PermanentError(ConveyorError):
     """A failure that retrying cannot fix: the job goes straight to the DLQ."""
 

@@ -387,3 +387,37 @@ def job_logger(*, job_id: str, stage: str, attempt: int, queue: str | None = Non
         wrapper_class=BoundLogger,
     )
     return wrapped.bind(**fields)
+
+
+class RepeatedFailure:
+    """Logs a loop's failures without flooding: the first with its traceback, the same
+    failure again only every ``every`` seconds as one line with a count, and the recovery.
+
+    A background loop (the relay) fails on every pass while a service is down; a traceback
+    every two seconds buries the log line that says what is wrong.
+    """
+
+    def __init__(self, log: logging.Logger, what: str, *, every: float = 60.0) -> None:
+        self._log = log
+        self._what = what
+        self._every = every
+        self._count = 0
+        self._key: tuple[str, str] | None = None
+        self._last = 0.0
+
+    def failed(self, exc: BaseException, now: float) -> None:
+        """Note a failure (``now`` from a monotonic clock)."""
+        key = (type(exc).__name__, str(exc).splitlines()[0][:200] if str(exc) else "")
+        self._count += 1
+        if key != self._key:
+            self._key, self._last = key, now
+            self._log.warning("%s failed", self._what, exc_info=exc)
+        elif now - self._last >= self._every:
+            self._last = now
+            self._log.warning("%s still failing (%d times so far): %s: %s", self._what, self._count, *key)
+
+    def passed(self) -> None:
+        """Note a success: the recovery is logged once after failures."""
+        if self._count:
+            self._log.warning("%s works again after %d failures", self._what, self._count)
+        self._count, self._key = 0, None

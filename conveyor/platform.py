@@ -251,6 +251,7 @@ class Platform:
         on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
         on_retry: Callable[[Any, Any], None] | None = None,
         on_stalled: Callable[[Any, Any, int], None] | None = None,
+        bind: bool = False,
     ) -> Callable[[Callable[..., Any]], StageTask]:
         """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``; without
         ``payload``, ``fn`` is an ordinary function (``def add(x, y)``): its parameters
@@ -258,6 +259,8 @@ class Platform:
 
         Policy lives here: queue, attempts, retry schedule, time limits, priority and a
         label function for humans. Deployment overrides (``CONVEYOR_STAGES``) win.
+        ``bind=True``, as Celery's, gives a plain-signature body its task as first argument
+        (``self.request``, ``self.retry``).
         """
         register = self.stages.declare(
             name,
@@ -278,6 +281,7 @@ class Platform:
             on_dead=on_dead,
             on_retry=on_retry,
             on_stalled=on_stalled,
+            bind=bind,
         )
 
         def decorate(fn: Callable[..., Any]) -> StageTask:

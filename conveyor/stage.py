@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import celery
+from celery.result import ResultBase
 from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ValidationError, create_model
 from pydantic_core import to_jsonable_python
@@ -61,6 +63,12 @@ class StageSpec:
     # Declared on a plain signature (``def add(x, y)``): every positional argument, a
     # dict or a list included, takes the next parameter, as in Celery.
     positional: bool = False
+    # The fields a plain signature's ``*args`` and ``**kwargs`` became (a list and a dict):
+    # the positional arguments past the named ones, the keywords no parameter names.
+    var_positional: str | None = None
+    var_keyword: str | None = None
+    keyword_only: frozenset[str] = frozenset()  # the parameters after ``*`` or ``*args``
+    bound: bool = False  # declared with ``bind=True``: the body's first argument is its task
 
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""
@@ -120,6 +128,8 @@ class _WireEncoder(kombu_json.JSONEncoder):
     def default(self, o: Any) -> Any:
         if isinstance(o, BaseModel):
             return o.model_dump(mode="python")
+        if isinstance(o, ResultBase):  # as Celery's backends store one (prepare_value)
+            return o.as_tuple()
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
             return dataclasses.asdict(o)
         try:
@@ -200,9 +210,15 @@ def payload_from_call(spec: StageSpec, args: tuple[Any, ...], kwargs: Mapping[st
     declared with ``payload=`` (``fn(ctx, payload)``), a dict positional argument is still
     merged as fields under the keywords and a list (a chord header's results) arrives as
     ``results``, and ``None`` is skipped; in a stage declared on a plain signature
-    (``spec.positional``) every positional argument takes the next parameter, as in Celery.
+    (``spec.positional``) every positional argument takes the next parameter, as in Celery,
+    and the ones past them go to its ``*args``. A keyword no field names is refused, as
+    Celery refuses it (``TypeError``), unless the signature has ``**kwargs``.
     """
-    fields = list(spec.payload.model_fields)
+    named = [
+        f
+        for f in spec.payload.model_fields
+        if f not in (spec.var_positional, spec.var_keyword) and f not in spec.keyword_only
+    ]
     data: dict[str, Any] = {}
     values: list[Any] = []
     for arg in args:
@@ -216,47 +232,117 @@ def payload_from_call(spec: StageSpec, args: tuple[Any, ...], kwargs: Mapping[st
             if arg is None:
                 continue
         values.append(arg)
-    if len(values) > len(fields):
+    if len(values) > len(named) and spec.var_positional is None:
         raise PayloadInvalid(
-            f"{spec.name} takes {len(fields)} positional argument{'' if len(fields) == 1 else 's'} "
-            f"but {len(values)} were given (fields in order: {', '.join(fields) or 'none'})"
+            f"{spec.name} takes {len(named)} positional argument{'' if len(named) == 1 else 's'} "
+            f"but {len(values)} were given (fields in order: {', '.join(named) or 'none'})"
         )
-    placed = dict(zip(fields, values, strict=False))
+    placed = dict(zip(named, values, strict=False))
     data.update(placed)
+    if spec.var_positional is not None:
+        data[spec.var_positional] = values[len(named) :]
+    extra: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key in placed:
             raise PayloadInvalid(f"{spec.name} got multiple values for {key!r}: positionally and by keyword")
+        if key not in spec.payload.model_fields or key in (spec.var_positional, spec.var_keyword):
+            extra[key] = value
+            continue
         data[key] = value
+    if extra and spec.var_keyword is None:
+        raise PayloadInvalid(
+            f"{spec.name} got unexpected keyword argument{'' if len(extra) == 1 else 's'} "
+            f"{', '.join(map(repr, extra))} (its fields: {', '.join([*named, *sorted(spec.keyword_only)])})"
+        )
+    if spec.var_keyword is not None:
+        data[spec.var_keyword] = extra
     return data
 
 
-def plain_stage(name: str, fn: Callable[..., Any]) -> tuple[type[BaseModel], StageFn]:
+class PlainSignature(typing.NamedTuple):
+    """What :func:`plain_stage` derives from an ordinary function."""
+
+    model: type[BaseModel]
+    body: StageFn
+    var_positional: str | None
+    var_keyword: str | None
+    keyword_only: frozenset[str]
+
+
+def plain_stage(name: str, fn: Callable[..., Any], *, bind: bool = False) -> PlainSignature:
     """The payload model of a stage declared on a plain signature (``def add(x, y)``), one
-    field per parameter with its annotation (``Any`` if none) and default, and the body
-    that calls ``fn`` with the validated fields as keyword arguments."""
+    field per parameter with its annotation (``Any`` if none) and default, ``*args`` a list
+    field and ``**kwargs`` a dict field (``args``/``kwargs`` when the parameter's name starts
+    with ``_``), and the body that calls ``fn`` with the validated fields as it was declared;
+    with ``bind`` (Celery's ``bind=True``) the first parameter is no field: it gets the task."""
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # unresolvable annotations: validate nothing rather than refuse
         hints = {}
     fields: dict[str, Any] = {}
-    for param in inspect.signature(fn).parameters.values():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
+    var_positional: str | None = None
+    var_keyword: str | None = None
+    before_star: list[str] = []
+    params = list(inspect.signature(fn).parameters.values())
+    if bind:
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+            raise ConfigurationError(f"stage {name}: bind=True needs a first parameter for the task (self)")
+        params = params[1:]
+    for param in params:
+        if param.kind is param.POSITIONAL_ONLY:
             raise ConfigurationError(
-                f"stage {name}: parameter {param.name!r} must be an ordinary parameter "
-                "(no *args, **kwargs or positional-only): a payload has named fields"
+                f"stage {name}: parameter {param.name!r} must not be positional-only: "
+                "a payload has named fields"
             )
+        if param.kind is param.VAR_POSITIONAL:
+            var_positional = _var_field(name, param.name, "args", fields)
+            fields[var_positional] = (list[Any], dataclasses.field(default_factory=list))
+            continue
+        if param.kind is param.VAR_KEYWORD:
+            var_keyword = _var_field(name, param.name, "kwargs", fields)
+            fields[var_keyword] = (dict[str, Any], dataclasses.field(default_factory=dict))
+            continue
+        field_name = param.name
         if param.name.startswith("_"):
-            raise ConfigurationError(f"stage {name}: parameter {param.name!r} may not start with '_'")
+            if param.kind is not param.POSITIONAL_OR_KEYWORD:
+                raise ConfigurationError(f"stage {name}: parameter {param.name!r} may not start with '_'")
+            # An ignored argument (``def f(self, _, key)``) is still given by position:
+            # its field is named by its place, as a payload's fields cannot start with '_'.
+            field_name = f"arg{len(before_star)}"
+            if field_name in {p.name for p in params}:
+                raise ConfigurationError(
+                    f"stage {name}: parameter {param.name!r} would be field {field_name!r}, "
+                    "already a parameter"
+                )
+        if param.kind is param.POSITIONAL_OR_KEYWORD:
+            before_star.append(field_name)
         default = ... if param.default is param.empty else param.default
-        fields[param.name] = (hints.get(param.name, Any), default)
+        fields[field_name] = (hints.get(param.name, Any), default)
     model_name = "".join(part.title() for part in name.split(".")[-1].split("_")) + "Payload"
     model: type[BaseModel] = create_model(model_name, **fields)
-    names = list(fields)
+    keywords = [n for n in fields if n not in before_star and n not in (var_positional, var_keyword)]
 
     def body(_ctx: Any, payload: BaseModel) -> Any:
-        return fn(**{n: getattr(payload, n) for n in names})
+        args = [getattr(payload, n) for n in before_star]
+        if var_positional is not None:
+            args.extend(getattr(payload, var_positional))
+        kwargs = {n: getattr(payload, n) for n in keywords}
+        if var_keyword is not None:
+            kwargs.update(getattr(payload, var_keyword))
+        if bind:
+            return fn(celery.current_task, *args, **kwargs)
+        return fn(*args, **kwargs)
 
-    return model, body
+    return PlainSignature(model, body, var_positional, var_keyword, frozenset(keywords))
+
+
+def _var_field(stage: str, param: str, fallback: str, taken: Mapping[str, Any]) -> str:
+    field = fallback if param.startswith("_") else param
+    if field in taken:
+        raise ConfigurationError(
+            f"stage {stage}: parameter {param!r} would be field {field!r}, already a parameter"
+        )
+    return field
 
 
 def to_jsonable(value: Any) -> Any:
@@ -291,10 +377,47 @@ def lineage(app: Any, options: Mapping[str, Any], job_id: str) -> tuple[str | No
     return parent_id, root_id or job_id
 
 
+def check_call_limits(spec: StageSpec, options: Mapping[str, Any]) -> None:
+    """A call's own time limits (``.set(soft_time_limit=1)``) may only shorten the stage's:
+    its hard limit is what keeps an attempt inside the redelivery bound."""
+    hard = options.get("time_limit")
+    soft = options.get("soft_time_limit")
+    if hard is not None and spec.time_limit is not None and float(hard) > spec.time_limit:
+        raise ConfigurationError(
+            f"stage {spec.name}: time_limit={hard} is above the stage's own {spec.time_limit}s; "
+            "a call may only shorten it (declare the stage's limit instead)"
+        )
+    if soft is not None and float(soft) >= float(hard or spec.time_limit or float("inf")):
+        raise ConfigurationError(f"stage {spec.name}: soft_time_limit={soft} must be below the hard limit")
+
+
+# Options a stamp may not be named after: the ones a job's options keep for themselves.
+RESERVED = frozenset(
+    {"chain", "chord", "group_id", "group_index", "parent_id", "root_id", "priority", "time_limit",
+     "soft_time_limit", "link", "link_error", "eta", "stamped_headers", "task_id", "queue", "headers",
+     "declare", "exchange", "routing_key", "mandatory"}
+)  # fmt: skip
+
+
 def signature_options(options: Mapping[str, Any], *, link: Any, link_error: Any) -> dict[str, Any]:
     """The subset of apply_async options needed to publish the same message again."""
-    keep = ("chain", "chord", "group_id", "group_index", "parent_id", "root_id")
+    keep = (
+        "chain",
+        "chord",
+        "group_id",
+        "group_index",
+        "parent_id",
+        "root_id",
+        "priority",
+        "time_limit",
+        "soft_time_limit",
+    )
     out = {k: _plain(options[k]) for k in keep if options.get(k) is not None}
+    # Celery's stamps (canvas stamping): the headers' names, and each stamp under its name.
+    stamped = [str(k) for k in options.get("stamped_headers") or () if k in options and k not in RESERVED]
+    if stamped:
+        out["stamped_headers"] = stamped
+        out.update({k: _plain(options[k]) for k in stamped})
     if link:
         out["link"] = _plain(link if isinstance(link, list) else [link])
     if link_error:

@@ -47,6 +47,7 @@ class Stages(dict[str, StageSpec]):
         time_limit: float | None,
         soft_time_limit: float | None,
         concurrency: int | None,
+        bind: bool = False,
         **policy: Any,
     ) -> Callable[[StageFn], StageSpec]:
         """Check a declaration now and resolve its policy (deployment overrides from
@@ -57,6 +58,10 @@ class Stages(dict[str, StageSpec]):
         (:func:`conveyor.stage.plain_stage`).
         """
         settings = self._connections.settings
+        if bind and payload is not None:
+            raise ConfigurationError(
+                f"stage {name}: bind=True is for a plain signature; a payload= stage's body has ctx"
+            )
         if not STAGE_NAME.match(name):
             raise ConfigurationError(
                 f"stage name {name!r} must be three or more dot-separated lower-case parts "
@@ -78,12 +83,23 @@ class Stages(dict[str, StageSpec]):
         attempts = override.max_attempts or max_attempts or settings.default_max_attempts
 
         def register(fn: StageFn) -> StageSpec:
-            model, body = (payload, fn) if payload is not None else plain_stage(name, fn)
+            if payload is not None:
+                model, body, shape = payload, fn, dict[str, Any]()
+            else:
+                plain = plain_stage(name, fn, bind=bind)
+                model, body = plain.model, plain.body
+                shape = {
+                    "positional": True,
+                    "var_positional": plain.var_positional,
+                    "var_keyword": plain.var_keyword,
+                    "keyword_only": plain.keyword_only,
+                    "bound": bind,
+                }
             spec = StageSpec(
                 name=name,
                 fn=body,
                 payload=model,
-                positional=payload is None,
+                **shape,
                 queue=queue,
                 max_attempts=attempts,
                 retry=retry or Backoff(),

@@ -91,6 +91,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         help="fail (instead of skipping) when Redis or Postgres is unreachable",
     )
+    parser.addoption(
+        "--celery-canvas",
+        default="subset",
+        help="Celery's own canvas tests against stages (tests/upstream): 'subset' (CI's), "
+        "'all' (the whole file), or test ids/classes of test_canvas.py, comma-separated",
+    )
+    parser.addoption(
+        "--celery-canvas-sides",
+        default="both",
+        choices=("both", "stages"),
+        help="'stages': skip the plain Celery side (every failure not listed as a difference fails)",
+    )
 
 
 def _service_problem() -> str | None:

@@ -60,6 +60,11 @@ def jobs_list(
     wait: float = wait_option(),
 ) -> None:
     """Newest jobs first."""
+    from conveyor.store.db.schema import STATUSES
+
+    if status and status not in STATUSES:
+        known = ", ".join(STATUSES)
+        raise typer.BadParameter(f"{status!r} is no job status; one of: {known}", param_hint="--status")
 
     def main() -> int:
         from sqlalchemy import select

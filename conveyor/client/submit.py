@@ -39,7 +39,7 @@ from conveyor.dedup import Dedup, DedupPlan, Reuse
 from conveyor.delivery.connections import Connections
 from conveyor.errors import ConfigurationError, PayloadInvalid, SubmitFailed, describe, is_connection_loss
 from conveyor.metrics import Metrics
-from conveyor.stage import StageSpec, lineage, payload_from_call, signature_options
+from conveyor.stage import StageSpec, check_call_limits, lineage, payload_from_call, signature_options
 from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.db.namespace import use_schema
@@ -206,6 +206,7 @@ class Submitter:
                 f"stage {spec.name} is preemptable and cannot be a chord or group member"
             )
         model = spec.validate(payload_from_call(spec, args, kwargs))
+        check_call_limits(spec, options)
         # Relative times count on the database's clock; absolute ones are stored as given.
         delay = float(options.get("countdown") or 0.0)
         eta = options.get("eta")
@@ -216,13 +217,17 @@ class Submitter:
         # A job that is its own root stores none: its messages say so (broker.publish).
         lineage_ids = {"parent_id": parent_id, "root_id": root_id if root_id != job_id else None}
         stored = signature_options({**options, **lineage_ids}, link=link, link_error=link_error)
+        if delay > 0 or eta is not None:
+            # The messages say when the job was due, as Celery's say (``request.eta``).
+            due = utc_or_none(eta) or dt.datetime.now(dt.UTC) + dt.timedelta(seconds=delay)
+            stored["eta"] = due.isoformat()
         new = NewJob(
             id=job_id,
             stage=spec.name,
             queue=options.get("queue") or spec.queue,
             payload=self.recorder.payload_of(spec, model),
             max_attempts=spec.max_attempts,
-            priority=spec.priority,
+            priority=spec.priority if options.get("priority") is None else int(options["priority"]),
             label=spec.label_for(model),
             delay=max(0.0, delay),
             expires_in=expires_in,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import os
 import secrets
@@ -308,7 +309,8 @@ class Broker:
             (),
             dict(payload),
             None,
-            None,
+            # When a delayed job was due (it is published once due: no wait in the worker).
+            dt.datetime.fromisoformat(options["eta"]) if options.get("eta") else None,
             options.get("group_id"),
             options.get("group_index"),
             None,
@@ -317,8 +319,8 @@ class Broker:
             as_list(options.get("link")),
             as_list(options.get("link_error")),
             app.thread_oid,
-            None,
-            None,
+            options.get("time_limit"),  # a call's own limits (.set(soft_time_limit=...)), if any
+            options.get("soft_time_limit"),
             app.conf.task_send_sent_event,
             options.get("root_id") or job_id,  # the job's task id, whatever this message's
             options.get("parent_id"),
@@ -329,6 +331,8 @@ class Broker:
             ignore_result=bool(options.get(IGNORE_RESULT)),
             argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
             kwargsrepr=quick_kwargsrepr(payload, *repr_limits(app)),
+            stamped_headers=options.get("stamped_headers"),
+            **{k: options[k] for k in options.get("stamped_headers") or () if k in options},
             **routed,
         )
         if options.get("priority") is not None:

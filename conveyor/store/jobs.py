@@ -17,6 +17,7 @@ from sqlalchemy.engine import RowMapping
 from conveyor import tracing
 from conveyor.errors import describe
 from conveyor.logs import redact_text
+from conveyor.stage import to_wire
 from conveyor.store.claims import Claim, ClaimOutcome, Claims, counted_attempts
 from conveyor.store.db import schema as s
 from conveyor.store.db.dialect import (
@@ -158,7 +159,7 @@ class JobStore(Claims):
             or (db_now_plus(job.expires_in) if job.expires_in is not None else None),
             "flow_id": job.flow_id or job.id,
             "parent_id": job.parent_id,
-            "options": job.options,
+            "options": to_wire(job.options) if job.options else job.options,
             "origin_task_id": job.origin_task_id,
             "trace_context": job.trace_context,
             "created_at": db_now(),
@@ -212,7 +213,7 @@ class JobStore(Claims):
             "expires_in": job.expires_in,
             "flow_id": job.flow_id or job.id,
             "parent_id": job.parent_id,
-            "options": job.options,
+            "options": to_wire(job.options) if job.options else job.options,
             "origin_task_id": job.origin_task_id,
             "celery_task_id": job.origin_task_id if job.published_epoch else None,
             "broker_epoch": job.published_epoch,

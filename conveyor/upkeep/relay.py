@@ -20,6 +20,7 @@ from sqlalchemy import and_, func, or_, select
 from conveyor.client.dlq import DeadLetterQueue
 from conveyor.delivery.connections import Connections
 from conveyor.errors import DatabaseBusy
+from conveyor.logs import RepeatedFailure
 from conveyor.store.db import schema as s
 from conveyor.store.db.dialect import db_now, db_now_plus, try_singleton_lock
 from conveyor.store.db.engine import brief_write
@@ -55,6 +56,9 @@ class Relay:
         dlq: DeadLetterQueue | None = None,
     ) -> None:
         self.connections = connections
+        self._epoch_failures = RepeatedFailure(
+            log, "reading the broker epoch (Redis or RabbitMQ unreachable: reconciling in the database only)"
+        )
         self.dlq = dlq  # with the stages' hooks: performs the retries clients requested
         self.store = store
         self.flow = flow
@@ -95,16 +99,15 @@ class Relay:
             note_tick(conn, gap=max(3 * settings.relay_interval, 2 * settings.heartbeat_interval))
         try:
             epoch: str | None = connections.broker.epoch(max_age=0)
-        except Exception:
+        except Exception as exc:
             if not reconcile:
                 raise
             # Redis (or RabbitMQ) is unreachable: still repair stalls and expiry in the
             # database; what this requeues is published as soon as both answer again.
-            log.warning(
-                "no broker epoch (Redis or RabbitMQ unreachable): reconciling in the database only",
-                exc_info=True,
-            )
+            self._epoch_failures.failed(exc, time.monotonic())
             epoch = None
+        else:
+            self._epoch_failures.passed()
         orphans = self.deliveries.orphans() if reconcile and epoch is not None else {}
         with brief_write(connections.engine, RELAY_WAIT) as conn:
             if not try_singleton_lock(conn, RELAY_LOCK, settings.resolved_home()):
@@ -319,6 +322,7 @@ class Relay:
 
     def _loop(self) -> None:
         settings = self.connections.settings
+        failures = RepeatedFailure(log, "relay pass")
         while not self._stop.wait(settings.relay_interval):
             now = time.monotonic()
             reconcile = now - self._last_reconcile >= settings.reconciler_interval
@@ -328,8 +332,9 @@ class Relay:
                 outcome = "busy" if report.skipped_busy else "ok"
                 if reconcile and not report.skipped_busy:
                     self._last_reconcile = now
-            except Exception:  # an outage must not kill the thread; the next pass retries
-                log.warning("relay pass failed", exc_info=True)
+                failures.passed()
+            except Exception as exc:  # an outage must not kill the thread; the next pass retries
+                failures.failed(exc, now)
             self._note_pass(outcome)
 
     def _note_pass(self, outcome: str) -> None:

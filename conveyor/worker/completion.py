@@ -17,7 +17,7 @@ from sqlalchemy import update
 
 from conveyor import tracing
 from conveyor.delivery.connections import Connections
-from conveyor.errors import LeaseLost, describe, is_connection_loss, is_permanent
+from conveyor.errors import LeaseLost, RetryRequested, describe, is_connection_loss, is_permanent
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
 from conveyor.stage import StageSpec, from_wire
@@ -170,13 +170,16 @@ class Completion:
         if timed_out and not spec.retry_on_timeout:
             permanent = True
         counted = counted_attempts(job)
-        exhausted = counted >= int(job["max_attempts"])
+        budget = int(job["max_attempts"])
+        if isinstance(exc, RetryRequested) and exc.max_attempts is not None:
+            budget = exc.max_attempts  # Celery's retry(max_retries=...) decides for itself
+        exhausted = counted >= budget
+        if isinstance(exc, RetryRequested) and exhausted and exc.cause is not None:
+            exc = exc.cause  # as Celery: past its retries, the task fails with the error it gave
         try:
             with self.connections.engine.begin() as conn:
                 if permanent or exhausted:
-                    message = _readable(
-                        exc, spec, counted, int(job["max_attempts"]), exhausted and not permanent
-                    )
+                    message = _readable(exc, spec, counted, budget, exhausted and not permanent)
                     if not store.dead_letter(
                         conn,
                         job,
@@ -197,6 +200,8 @@ class Completion:
                     delay = spec.retry.delay(
                         counted, default_base=settings.backoff_base, default_cap=settings.backoff_cap
                     )
+                    if isinstance(exc, RetryRequested) and exc.delay is not None:
+                        delay = max(0.0, exc.delay)
                     if not store.schedule_retry(conn, job, attempt, delay, exc):
                         raise LeaseLost(f"job {job['id']} attempt {attempt} was taken over")
                     body = {

@@ -29,6 +29,7 @@ from conveyor.metrics import Metrics
 from conveyor.stage import (
     JOB_IDS_ATTR,
     Record,
+    StageSpec,
     from_wire,
     kept_if_small,
     payload_from_call,
@@ -71,18 +72,20 @@ class Continuations:
         *,
         leading: tuple[Any, ...] | None = None,
         kind: str = "next",
+        index: int = 0,
     ) -> NewJob:
         """The job a chain link or link callback becomes (an errback, with ``leading`` as
         its first arguments and ``kind="errback"``); its id is fixed by the canvas."""
         spec = self.stages.spec(sig.task)
-        args = tuple(sig.args or ())
+        # A signature read back from a job's options carries kombu's tags (bytes...).
+        args = tuple(_decoded(list(sig.args or ())))
         if not sig.immutable:
             # The result is stored in kombu's JSON: passed on as the value itself.
             args = (*(leading if leading is not None else (from_wire(result),)), *args)
         invalid: tuple[str, str] | None = None
         raw: Any = {}
         try:
-            raw = payload_from_call(spec, args, dict(sig.kwargs or {}))
+            raw = payload_from_call(spec, args, _decoded(dict(sig.kwargs or {})))
             model = spec.validate(raw)
             payload = self.recorder.payload_of(spec, model)
         except PayloadInvalid as exc:
@@ -90,7 +93,12 @@ class Continuations:
             invalid, payload = (type(exc).__name__, str(exc)), kept_if_small(raw, exc)
         opts = dict(sig.options or {})
         task_id = opts.pop("task_id", None)
-        job_id = task_id or str(uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:{kind}:{parent['id']}:{sig.task}"))
+        # Two callbacks (or errbacks) of the same task are two jobs: the second one's place
+        # is in its id (the first keeps the id it always had: a DLQ retry finds it again).
+        place = f":{index}" if index else ""
+        job_id = task_id or str(
+            uuid.uuid5(uuid.NAMESPACE_URL, f"conveyor:{kind}:{parent['id']}:{sig.task}{place}")
+        )
         stored = signature_options(
             {**opts, **extra}, link=opts.get("link"), link_error=opts.get("link_error")
         )
@@ -141,7 +149,9 @@ class Continuations:
                 took_chain = True
         sigs = [signature(c, app=app) for c in callbacks]
         if sigs and all(cb.task in self.stages for cb in sigs):
-            created += [self.continuation(cb, result, parent, extra) for cb in sigs]
+            created += [
+                self.continuation(cb, result, parent, extra, index=i) for i, cb in enumerate(sigs)
+            ]
             took_callbacks = True
         return created, took_chain, took_callbacks
 
@@ -179,9 +189,10 @@ class Continuations:
         """The jobs a dead job's ``link_error`` stages become, called as Celery calls an
         errback, and the errbacks that are no stages (left to Celery).
 
-        Celery calls an errback whose function takes more than one argument still free
-        (not given by its signature) with ``(request, exc, traceback)``, else with
-        ``(task_id)``; a stage's arguments are its payload's fields. ``request`` holds the
+        Celery calls an errback whose function takes ``*args`` or more than one positional
+        argument still free (not given by its signature) with ``(request, exc, traceback)``,
+        and one declared with ``bind=True`` or taking fewer with ``(task_id)``; a stage's
+        arguments are its payload's fields. ``request`` holds the
         failed task's ``id``, ``task``, ``args``, ``kwargs``, ``parent_id``, ``root_id``,
         ``group``, ``group_index`` and ``retries``, ``exc`` its ``type`` and ``message``,
         both a :class:`conveyor.stage.Record` (keys are attributes too, ``request.id``);
@@ -194,17 +205,17 @@ class Continuations:
         extra = {"parent_id": own, "root_id": options.get("root_id") or own}
         created: list[NewJob] = []
         rest: list[Any] = []
-        for sig, raw in zip(sigs, errbacks, strict=True):
+        for index, (sig, raw) in enumerate(zip(sigs, errbacks, strict=True)):
             if sig.task not in self.stages:
                 rest.append(raw)
                 continue
             spec = self.stages.spec(sig.task)
-            given = dict(sig.kwargs or {})
-            free = [f for f in spec.payload.model_fields if f not in given][len(sig.args or ()) :]
             leading: tuple[Any, ...] = (own,)
-            if len(free) > 1:
+            if _new_style(spec, sig):
                 leading = (_request_of(job, own, extra["root_id"]), _exc_of(error), _traceback_of(error))
-            created.append(self.continuation(sig, None, job, extra, leading=leading, kind="errback"))
+            created.append(
+                self.continuation(sig, None, job, extra, leading=leading, kind="errback", index=index)
+            )
         return created, rest
 
     def insert(self, conn: Connection, created: Sequence[NewJob], *, upstream: str) -> list[NewJob]:
@@ -288,20 +299,47 @@ def task_id_of(job: Row) -> str:
 def seen_as_job(request: Any, job: Row) -> Iterator[None]:
     """Mark a stage's delivery ``request`` with its job's task id for the whole delivery
     (:data:`conveyor.stage.JOB_IDS_ATTR`), and while the body runs show it as the request's
-    ``id`` (and its root's, for a job that is its own root): a retry or a republish carries
+    ``id`` (and its root's, for a job that is its own root) and its counted attempts before
+    this one as ``retries``: a retry or a republish carries
     the job in a message of another id, and the body sees the task id its canvas knows.
     Celery's own bookkeeping after the body (the result, chord counting) keeps the
     message's id."""
     own = task_id_of(job)
-    message_id, message_root = request.id, request.root_id
+    message_id, message_root, message_retries = request.id, request.root_id, request.retries
     setattr(request, JOB_IDS_ATTR, (message_id, own))
     request.id = own
     if message_root in (None, message_id):
         request.root_id = own
+    # Celery counts a task's retries in its message; a job's are its counted attempts.
+    request.retries = max(0, counted_attempts(job) - 1)
     try:
         yield
     finally:
-        request.id, request.root_id = message_id, message_root
+        request.id, request.root_id, request.retries = message_id, message_root, message_retries
+
+
+def _decoded(value: Any) -> Any:
+    """Stored arguments back to their values (kombu's tags decoded); a request's are already."""
+    try:
+        return from_wire(value)
+    except TypeError:  # bytes and the like: not JSON, so not stored ones
+        return value
+
+
+def _new_style(spec: StageSpec, sig: Any) -> bool:
+    """Celery's rule (``Backend._call_task_errbacks``): a bound task's header is a partial,
+    which always makes it old style; else ``*args`` or two free positional arguments."""
+    if spec.bound:
+        return False
+    if spec.var_positional is not None:
+        return True
+    given = dict(sig.kwargs or {})
+    positional = [
+        f
+        for f in spec.payload.model_fields
+        if f not in spec.keyword_only and f != spec.var_keyword and f not in given
+    ]
+    return len(positional[len(sig.args or ()) :]) > 1
 
 
 def _request_of(job: Row, own: str, root_id: str) -> Record:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any, ClassVar
 
 from billiard.exceptions import TimeLimitExceeded
 from celery import Task
+from celery._state import _task_stack
 from celery.worker import state as worker_state
 from celery.worker.request import Request
 
 from conveyor.client.submit import Submitter
-from conveyor.errors import ReplaceRefused
+from conveyor.errors import PermanentError, ReplaceRefused, RetryRequested, describe
 from conveyor.stage import StageSpec
 from conveyor.worker.completion import Completion
 from conveyor.worker.runner import Runner
@@ -53,7 +55,12 @@ class StageTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.request.called_directly:
-            return self.runner.run_inline(self.spec, args, kwargs)
+            # As Celery's own __call__: the task is current for the call (``bind=True``).
+            _task_stack.push(self)
+            try:
+                return self.runner.run_inline(self.spec, args, kwargs)
+            finally:
+                _task_stack.pop()
         return self.runner.execute(self, args, kwargs)
 
     def replace(self, sig: Any) -> Any:
@@ -63,6 +70,38 @@ class StageTask(Task):  # type: ignore[misc]
             f"stage {self.name} cannot replace itself (Task.replace): its task id is its job's id "
             "and the job ends in its own row; chain the next stage, or submit it and return its "
             "result (README: Differences from Celery)"
+        )
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: dt.datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Another attempt of this job (:class:`conveyor.errors.RetryRequested`), as Celery's
+        ``retry``: after ``countdown`` seconds or at ``eta`` (neither: the stage's schedule),
+        at most ``max_retries`` retries (not given: the stage's ``max_attempts``), and past
+        them the job is dead-lettered with ``exc`` (Celery raises it then too). The payload
+        is the job's: other ``args``/``kwargs`` are refused (submit a new job instead)."""
+        if args is not None or kwargs is not None:
+            raise PermanentError(
+                f"stage {self.name}: retry() with other arguments is refused; the job's payload is "
+                "stored and retried as it is (submit a new job instead)"
+            )
+        delay = countdown
+        if eta is not None:
+            when = eta if eta.tzinfo else eta.replace(tzinfo=dt.UTC)
+            delay = (when - dt.datetime.now(dt.UTC)).total_seconds()
+        raise RetryRequested(
+            f"{self.name} asked to retry" + (f": {describe(exc)}" if exc is not None else ""),
+            delay=delay,
+            max_attempts=None if max_retries is None else max_retries + 1,
+            cause=exc,
         )
 
     def apply_async(

@@ -39,6 +39,20 @@ def echo(value, tag: str = ""):  # type: ignore[no-untyped-def]
     return value
 
 
+def bound_retry(self, tag: str, times: int = 1):  # type: ignore[no-untyped-def]  # bind=True, as in Celery
+    if self.request.retries < times:
+        raise self.retry(countdown=0.1, max_retries=times)
+    return {"id": self.request.id, "retries": self.request.retries, "tag": tag}
+
+
+def retry_then_give_up(self, tag: str):  # type: ignore[no-untyped-def]
+    raise self.retry(exc=ValueError(f"no luck for {tag}"), countdown=0, max_retries=1)
+
+
+def fail_with(*args, **options):  # type: ignore[no-untyped-def]  # as Celery's own tests write tasks
+    return {"args": list(args), "options": options}
+
+
 class Scaled(BaseModel):
     n: int
     factor: int = 1
@@ -66,6 +80,11 @@ def calls(platform: Any) -> Iterator[SimpleNamespace]:
         "tsum": platform.stage("conveyor.calls.tsum", queue="demo")(tsum),
         "whoami": platform.stage("conveyor.calls.whoami", queue="demo")(whoami),
         "echo": platform.stage("conveyor.calls.echo", queue="demo")(echo),
+        "fail_with": platform.stage("conveyor.calls.fail_with", queue="demo")(fail_with),
+        "bound_retry": platform.stage("conveyor.calls.bound_retry", queue="demo", bind=True)(bound_retry),
+        "give_up": platform.stage("conveyor.calls.give_up", queue="demo", bind=True, max_attempts=5)(
+            retry_then_give_up
+        ),
         "scaled": platform.stage("conveyor.calls.scaled", payload=Scaled, queue="demo")(scaled),
         "blob": platform.stage("conveyor.calls.blob", payload=Blob, queue="demo")(blob),
     }
@@ -126,6 +145,57 @@ def test_bad_positional_calls_are_refused_naming_the_problem(platform: Any, call
     assert letter["error_type"] == "PayloadInvalid"
     assert "takes 2 positional arguments but 3 were given" in letter["message"]
     assert platform.job(flow.parent.id).status() == s.SUCCEEDED
+
+
+def test_a_misspelt_keyword_is_refused_on_every_path(platform: Any, calls: Any, worker: Any) -> None:
+    """Celery raises TypeError for a keyword the function does not take; a stage refuses it
+    too instead of dropping it (at submit, and for a link, in its dead letter)."""
+    unexpected = r"conveyor.calls.add got unexpected keyword argument 'yy' \(its fields: x, y\)"
+    with pytest.raises(PayloadInvalid, match=unexpected):
+        calls.add.delay(1, yy=2)
+    with pytest.raises(PayloadInvalid, match=r"unexpected keyword argument 'factr'"):
+        calls.scaled.delay(n=1, factr=2)  # a payload= stage too
+    flow = (calls.add.s(1, 1) | calls.add.s(yy=3)).apply_async()
+    link = eventually(lambda: (r := job_row(platform, flow.id)) is not None and r["status"] == s.DEAD and r)
+    assert "unexpected keyword argument 'yy'" in dead_letter_for(platform, link["id"])["message"]
+
+
+def test_star_args_and_kwargs_stages_take_what_celery_tasks_take(
+    platform: Any, calls: Any, worker: Any
+) -> None:
+    assert calls.fail_with.delay("a", 2, colour="red").get(timeout=30) == {
+        "args": ["a", 2],
+        "options": {"colour": "red"},
+    }
+    assert platform.job(calls.fail_with.delay().id).row()["payload"] == {"args": [], "options": {}}
+    flow = (calls.add.s(1, 1) | calls.fail_with.s("x")).apply_async()
+    assert flow.get(timeout=30) == {"args": [2, "x"], "options": {}}
+
+
+def test_a_bound_stage_retries_itself_as_a_celery_task_does(
+    platform: Any, calls: Any, worker: Any, tag: str
+) -> None:
+    """``bind=True`` gives the body its task; ``self.retry()`` is another counted attempt of
+    the same job after ``countdown``, and ``request.retries`` counts them."""
+    result = calls.bound_retry.delay(tag, 2)
+    assert result.get(timeout=30) == {"id": result.id, "retries": 2, "tag": tag}
+    row = platform.job(result.id).row()
+    assert row["attempts"] == 3 and row["status"] == s.SUCCEEDED
+    assert calls.bound_retry(tag, 0) == {"id": calls.bound_retry.request.id, "retries": 0, "tag": tag}
+
+
+def test_past_max_retries_the_job_dies_of_the_error_it_gave(
+    platform: Any, calls: Any, worker: Any, tag: str
+) -> None:
+    """``retry(exc=..., max_retries=1)``: two attempts in all (not the stage's five), then the
+    job is dead-lettered with ``exc`` and ``get()`` raises it, as Celery raises it."""
+    result = calls.give_up.delay(tag)
+    with pytest.raises(ValueError, match=f"no luck for {tag}"):
+        result.get(timeout=30)
+    row = platform.job(result.id).row()
+    assert row["status"] == s.DEAD and row["attempts"] == 2
+    letter = dead_letter_for(platform, result.id)
+    assert letter["error_type"] == "ValueError" and "gave up after 2 of 2 attempts" in letter["message"]
 
 
 def test_kombu_json_values_round_trip_through_body_result_and_next_link(

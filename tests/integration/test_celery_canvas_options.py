@@ -17,7 +17,7 @@ import pytest
 from celery import chain, chord, current_task, group
 from sqlalchemy import select
 
-from conveyor.errors import PermanentError, ReplaceRefused
+from conveyor.errors import ConfigurationError, PermanentError, ReplaceRefused
 from conveyor.shared import current_job
 from conveyor.store.db import schema as s
 from conveyor.store.db.schema import jobs
@@ -44,6 +44,12 @@ def on_error_old(task_id: str) -> str:
     return task_id
 
 
+def request_seen() -> dict[str, Any]:
+    req = current_task.request
+    info = req.delivery_info or {}
+    return {"eta": req.eta, "priority": info.get("priority"), "limits": list(req.timelimit or ())}
+
+
 def replacing(x: int) -> Any:
     return current_task.replace(current_task.app.tasks["conveyor.canvasopt.stamp"].si(x))
 
@@ -57,6 +63,7 @@ def canvas(platform: Any) -> Iterator[SimpleNamespace]:
         "boom": platform.stage("conveyor.canvasopt.boom", queue="demo")(boom),
         "on_error_old": platform.stage("conveyor.canvasopt.on_error_old", queue="demo")(on_error_old),
         "replacing": platform.stage("conveyor.canvasopt.replacing", queue="demo")(replacing),
+        "seen": platform.stage("conveyor.canvasopt.seen", queue="demo")(request_seen),
     }
     with module_stages(platform, "conveyor.canvasopt.", declared) as declared_stages:
         yield declared_stages
@@ -150,3 +157,29 @@ def test_link_and_link_error_on_groups_and_chords(platform: Any, canvas: Any, wo
     boom_id = failing_res.results[1].id
     for task_id in [*marks, boom_id]:
         eventually(lambda task_id=task_id: _noted(platform, canvas, task_id), timeout=30)
+
+
+def test_a_calls_eta_priority_and_limits_reach_its_messages(platform: Any, canvas: Any, worker: Any) -> None:
+    """``request.eta`` after a countdown, a call's ``priority`` and time limits, as Celery's
+    messages carry them (test_canvas.py: test_chord::test_priority,
+    test_chain::test_chord_soft_timeout_recuperation)."""
+    res = canvas.seen.apply_async(countdown=0.5, priority=3, time_limit=5, soft_time_limit=2)
+    seen = res.get(timeout=30)
+    assert seen["eta"] is not None and seen["priority"] == 3 and seen["limits"] == [5, 2]
+    with pytest.raises(ConfigurationError, match="may only shorten it"):
+        canvas.seen.apply_async(time_limit=10_000)
+
+
+def _children(platform: Any, job_id: str) -> list[Any]:
+    with platform.engine.connect() as conn:
+        return list(conn.execute(select(jobs).where(jobs.c.parent_id == job_id)).mappings())
+
+
+def test_two_callbacks_of_one_task_are_two_jobs(platform: Any, canvas: Any, worker: Any) -> None:
+    """test_canvas.py::test_chord::test_link_option_runs_after_the_body: the body's own link
+    and the chord's, both of one task, both run."""
+    first, second = canvas.stamp.s(), canvas.stamp.s()
+    res = canvas.stamp.apply_async((1,), link=[first, second])
+    res.get(timeout=30)
+    links = eventually(lambda: (rows := _children(platform, res.id)) and len(rows) == 2 and rows)
+    assert len({r["id"] for r in links}) == 2

@@ -55,7 +55,8 @@ def test_payload_validation_is_readable_and_hides_values() -> None:
 
 def test_payload_from_call_merges_chain_results_and_chord_lists() -> None:
     spec = StageSpec(name="conveyor.t.x", fn=lambda c, p: None, payload=P, queue="q", max_attempts=1)
-    assert payload_from_call(spec, ({"n": 1},), {"m": 2}) == {"n": 1, "m": 2}
+    assert payload_from_call(spec, ({"n": 1, "m": 2},), {}) == {"n": 1, "m": 2}  # a dict result merges whole
+    assert payload_from_call(spec, ({"n": 1},), {"n": 3}) == {"n": 3}  # under the keywords
     assert payload_from_call(spec, ([1, 2],), {}) == {"results": [1, 2]}
     assert payload_from_call(spec, (5,), {}) == {"n": 5}  # positional: the fields in order (#29)
     with pytest.raises(PayloadInvalid, match="takes 1 positional argument but 2 were given"):

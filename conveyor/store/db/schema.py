@@ -51,6 +51,7 @@ WAITING_DEDUP = "waiting_dedup"
 TERMINAL = frozenset({SUCCEEDED, DEAD, CANCELLED, EXPIRED, SKIPPED})
 THROTTLED = "throttled"  # over a rate limit or concurrency cap: parked until run_at
 CLAIMABLE = (QUEUED, RETRYING, THROTTLED)
+STATUSES = (QUEUED, THROTTLED, WAITING_LEASE, WAITING_DEDUP, RUNNING, RETRYING, *sorted(TERMINAL))
 # A job id: a UUID. A plain Celery message adopted by a worker keeps its task id as job id.
 JOB_ID_LENGTH = 36
 # A key of ``jobs.options``: the job was submitted through ``submit()`` (its outcome is its
