@@ -212,7 +212,8 @@ def payload_from_call(spec: StageSpec, args: tuple[Any, ...], kwargs: Mapping[st
     ``results``, and ``None`` is skipped; in a stage declared on a plain signature
     (``spec.positional``) every positional argument takes the next parameter, as in Celery,
     and the ones past them go to its ``*args``. A keyword no field names is refused, as
-    Celery refuses it (``TypeError``), unless the signature has ``**kwargs``.
+    Celery refuses it (``TypeError``), unless the signature has ``**kwargs`` (or it is a
+    ``payload=`` stage's ``results``, the name a chord's results take there).
     """
     named = [
         f
@@ -246,6 +247,9 @@ def payload_from_call(spec: StageSpec, args: tuple[Any, ...], kwargs: Mapping[st
         if key in placed:
             raise PayloadInvalid(f"{spec.name} got multiple values for {key!r}: positionally and by keyword")
         if key not in spec.payload.model_fields or key in (spec.var_positional, spec.var_keyword):
+            if key == "results" and not spec.positional:
+                data[key] = value  # a chord body's results, given as the positional path gives them
+                continue
             extra[key] = value
             continue
         data[key] = value

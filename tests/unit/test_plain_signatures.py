@@ -19,10 +19,11 @@ class _Carrier:
     settings = ConveyorSettings()
 
 
-def _declare(fn: Any) -> StageSpec:
+def _declare(fn: Any, *, bind: bool = False) -> StageSpec:
     declared = Stages(Celery(set_as_current=False), _Carrier(), queue_names={"demo"}, default_queue="demo")
     return declared.declare(
         f"conveyor.sig.{fn.__name__}",
+        bind=bind,
         payload=None,
         queue=None,
         max_attempts=None,
@@ -126,19 +127,7 @@ def test_errback_style_follows_celerys_rule() -> None:
     def bound(self, *args, countdown=None):  # type: ignore[no-untyped-def]
         return args
 
-    new_spec, old_spec = _declare(new_style), _declare(old_style)
-    declared = Stages(Celery(set_as_current=False), _Carrier(), queue_names={"demo"}, default_queue="demo")
-    bound_spec = declared.declare(
-        "conveyor.sig.bound",
-        payload=None,
-        queue=None,
-        max_attempts=None,
-        retry=None,
-        time_limit=None,
-        soft_time_limit=None,
-        concurrency=None,
-        bind=True,
-    )(bound)
+    new_spec, old_spec, bound_spec = _declare(new_style), _declare(old_style), _declare(bound, bind=True)
     assert _new_style(new_spec, signature("x")) and not _new_style(old_spec, signature("x"))
     assert not _new_style(new_spec, signature("x", args=(1, 2, 3)))  # one positional left free
     assert _new_style(_declare(fail), signature("x")) and not _new_style(bound_spec, signature("x"))

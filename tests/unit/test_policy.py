@@ -58,6 +58,7 @@ def test_payload_from_call_merges_chain_results_and_chord_lists() -> None:
     assert payload_from_call(spec, ({"n": 1, "m": 2},), {}) == {"n": 1, "m": 2}  # a dict result merges whole
     assert payload_from_call(spec, ({"n": 1},), {"n": 3}) == {"n": 3}  # under the keywords
     assert payload_from_call(spec, ([1, 2],), {}) == {"results": [1, 2]}
+    assert payload_from_call(spec, (), {"n": 1, "results": []}) == {"n": 1, "results": []}  # as a chord calls
     assert payload_from_call(spec, (5,), {}) == {"n": 5}  # positional: the fields in order (#29)
     with pytest.raises(PayloadInvalid, match="takes 1 positional argument but 2 were given"):
         payload_from_call(spec, (5, 6), {})
