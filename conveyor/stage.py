@@ -70,6 +70,16 @@ class StageSpec:
     keyword_only: frozenset[str] = frozenset()  # the parameters after ``*`` or ``*args``
     bound: bool = False  # declared with ``bind=True``: the body's first argument is its task
 
+    @property
+    def positional_fields(self) -> list[str]:
+        """The fields a positional argument may take, in order (not ``*args``'s, ``**kwargs``'s
+        or a keyword-only parameter's)."""
+        return [
+            f
+            for f in self.payload.model_fields
+            if f not in (self.var_positional, self.var_keyword) and f not in self.keyword_only
+        ]
+
     def validate(self, data: Mapping[str, Any]) -> BaseModel:
         """Validate a payload mapping, turning errors into :class:`PayloadInvalid`."""
         try:
@@ -215,11 +225,7 @@ def payload_from_call(spec: StageSpec, args: tuple[Any, ...], kwargs: Mapping[st
     Celery refuses it (``TypeError``), unless the signature has ``**kwargs`` (or it is a
     ``payload=`` stage's ``results``, the name a chord's results take there).
     """
-    named = [
-        f
-        for f in spec.payload.model_fields
-        if f not in (spec.var_positional, spec.var_keyword) and f not in spec.keyword_only
-    ]
+    named = spec.positional_fields
     data: dict[str, Any] = {}
     values: list[Any] = []
     for arg in args:

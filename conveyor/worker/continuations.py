@@ -334,12 +334,8 @@ def _new_style(spec: StageSpec, sig: Any) -> bool:
     if spec.var_positional is not None:
         return True
     given = dict(sig.kwargs or {})
-    positional = [
-        f
-        for f in spec.payload.model_fields
-        if f not in spec.keyword_only and f != spec.var_keyword and f not in given
-    ]
-    return len(positional[len(sig.args or ()) :]) > 1
+    free = [f for f in spec.positional_fields if f not in given]
+    return len(free[len(sig.args or ()) :]) > 1
 
 
 def _request_of(job: Row, own: str, root_id: str) -> Record:

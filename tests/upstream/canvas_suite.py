@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.fault.conftest import wait_ready
+
 HERE = Path(__file__).parent
 UPSTREAM_FILES = {
     "t/__init__.py": "t/__init__.py",
@@ -166,7 +168,7 @@ def run_side(
             start_new_session=True,
         )
     try:
-        _wait_ready(worker, worker_log)
+        wait_ready(worker_log, worker, timeout=90.0)
         junit = logs / f"{side}.xml"
         started = time.monotonic()
         with open(logs / f"{side}-pytest.log", "wb") as out:
@@ -203,17 +205,6 @@ def run_side(
         return outcomes
     finally:
         _stop(worker)
-
-
-def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout: float = 90.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"worker exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if " ready." in log.read_text(errors="replace"):
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"worker not ready after {timeout}s:\n{log.read_text()[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
