@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from celery import chain, chord
 from pydantic import BaseModel
+from sqlalchemy import select
 
 from conveyor.errors import PayloadInvalid, PayloadTooLarge
 from conveyor.shared import current_job
@@ -227,3 +228,20 @@ def test_bytes_are_sized_in_kombu_json_against_the_limit(platform: Any, calls: A
     handle = calls.echo.apply_async((b"\xff" * (limit * 3 // 4 - 200),), countdown=3600).job
     assert handle.status() == s.QUEUED
     platform.cancel(handle.id)
+
+
+def test_bytes_in_a_link_signature_are_stored_and_arrive_as_bytes(
+    platform: Any, calls: Any, worker: Any
+) -> None:
+    """A link's own arguments are kept in the job's options in kombu's JSON (before: a
+    ``TypeError`` at submit; test_canvas.py::test_group::test_callback_called_by_group)."""
+    res = calls.add.apply_async((1, 2), link=calls.echo.si(b"\x00raw"))
+    assert res.get(timeout=30) == 3
+
+    def child() -> Any:
+        with platform.engine.connect() as conn:
+            query = select(s.jobs).where(s.jobs.c.parent_id == res.id)
+            return conn.execute(query).mappings().first()
+
+    link = eventually(lambda: (row := child()) is not None and row["status"] == s.SUCCEEDED and row)
+    assert platform.job(link["id"]).result == b"\x00raw"
