@@ -14,14 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import celery
-from celery.result import ResultBase
-from kombu.utils import json as kombu_json
 from pydantic import BaseModel, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
 from conveyor.dedup import Dedup
 from conveyor.errors import ConfigurationError, PayloadInvalid, PayloadTooLarge
 from conveyor.retry import Backoff, RetryPolicy
+from conveyor.wire import from_wire, to_wire, wire_text
 
 # ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.worker.context.JobContext`.
 StageFn = Callable[[Any, Any], Any]
@@ -95,82 +94,6 @@ class StageSpec:
             return str(self.label(payload))[:200]
         except Exception:  # a label must never break a submit
             return self.name
-
-
-class Record(Mapping[str, Any]):
-    """A read-only mapping whose keys are also attributes (``request.id`` and
-    ``request["id"]``): an errback stage's ``request`` and ``exc``. Stored in kombu's JSON
-    as a tagged object, so it reaches the body as it was sent; ``str()`` of an ``exc`` is
-    its message."""
-
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = dict(data)
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> typing.Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return object.__getattribute__(self, "_data")[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __str__(self) -> str:
-        return str(self._data.get("message", self._data))
-
-    def __repr__(self) -> str:
-        return f"Record({self._data!r})"
-
-
-kombu_json.register_type(Record, "conveyor.record", lambda r: dict(r), Record)
-
-
-class _WireEncoder(kombu_json.JSONEncoder):
-    """kombu's JSON (bytes, datetimes, Decimal and UUID tagged as on the wire), plus models,
-    dataclasses and what pydantic can make JSON of (enums, sets...)."""
-
-    def default(self, o: Any) -> Any:
-        if isinstance(o, BaseModel):
-            return o.model_dump(mode="python")
-        if isinstance(o, ResultBase):  # as Celery's backends store one (prepare_value)
-            return o.as_tuple()
-        if dataclasses.is_dataclass(o) and not isinstance(o, type):
-            return dataclasses.asdict(o)
-        try:
-            return super().default(o)  # type: ignore[no-untyped-call]
-        except TypeError:
-            return to_jsonable_python(o)
-
-
-def wire_text(value: Any) -> str:
-    """``value`` in kombu's JSON, as a message carries it."""
-    text = kombu_json.dumps(  # type: ignore[no-untyped-call]
-        value, cls=_WireEncoder, separators=(",", ":"), ensure_ascii=False
-    )
-    return str(text)
-
-
-def to_wire(value: Any) -> Any:
-    """``value`` as JSON-ready data in kombu's encoding: what a JSON column stores, with
-    bytes, datetimes, Decimal and UUID kept as kombu's ``{"__type__", "__value__"}`` tags."""
-    return json.loads(wire_text(value))
-
-
-def from_wire(data: Any) -> Any:
-    """Stored JSON data back to the values that were sent (kombu's tags decoded); anything
-    but a dict or a list (a scalar, an exception) is returned as it is."""
-    if not isinstance(data, (dict, list)):
-        return data
-    try:
-        return kombu_json.loads(json.dumps(data))  # type: ignore[no-untyped-call]
-    except ValueError:  # a tag of a type this process does not know: left as it is
-        return data
 
 
 def checked_payload(stage: str, model: BaseModel, limit: int) -> dict[str, Any]:

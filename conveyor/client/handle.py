@@ -11,10 +11,10 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from conveyor.delivery.connections import Connections
-from conveyor.stage import from_wire
 from conveyor.store.db import schema as s
 from conveyor.store.db.engine import reading
 from conveyor.store.jobs import JobStore, Row
+from conveyor.wire import from_wire
 
 POLL_WITHOUT_REDIS = 0.5  # wait() reads Postgres this often while Redis does not answer
 

@@ -17,7 +17,6 @@ from sqlalchemy.engine import RowMapping
 from conveyor import tracing
 from conveyor.errors import describe
 from conveyor.logs import redact_text
-from conveyor.stage import to_wire
 from conveyor.store.claims import Claim, ClaimOutcome, Claims, counted_attempts
 from conveyor.store.db import schema as s
 from conveyor.store.db.dialect import (
@@ -29,6 +28,7 @@ from conveyor.store.db.dialect import (
 )
 from conveyor.store.db.schema import Row, dead_letters, job_events, jobs, new_event
 from conveyor.store.events import EventCursor, event_position, resolve_cursor, sequence_events
+from conveyor.wire import to_wire
 
 __all__ = [
     "Claim",

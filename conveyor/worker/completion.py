@@ -20,10 +20,11 @@ from conveyor.delivery.connections import Connections
 from conveyor.errors import LeaseLost, RetryRequested, describe, is_connection_loss, is_permanent
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
-from conveyor.stage import StageSpec, from_wire
+from conveyor.stage import StageSpec
 from conveyor.store.db import schema as s
 from conveyor.store.db.schema import jobs
 from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, format_traceback, new_event
+from conveyor.wire import from_wire
 from conveyor.worker.context import JobContext
 from conveyor.worker.continuations import Continuations
 from conveyor.worker.flow import Flow

@@ -28,9 +28,7 @@ from conveyor.logs import redact_text
 from conveyor.metrics import Metrics
 from conveyor.stage import (
     JOB_IDS_ATTR,
-    Record,
     StageSpec,
-    from_wire,
     kept_if_small,
     payload_from_call,
     signature_options,
@@ -39,6 +37,7 @@ from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, format_traceback
+from conveyor.wire import Record, from_wire
 
 
 class Continuations:
@@ -149,9 +148,7 @@ class Continuations:
                 took_chain = True
         sigs = [signature(c, app=app) for c in callbacks]
         if sigs and all(cb.task in self.stages for cb in sigs):
-            created += [
-                self.continuation(cb, result, parent, extra, index=i) for i, cb in enumerate(sigs)
-            ]
+            created += [self.continuation(cb, result, parent, extra, index=i) for i, cb in enumerate(sigs)]
             took_callbacks = True
         return created, took_chain, took_callbacks
 

@@ -27,7 +27,7 @@ from conveyor.client.stops import report_revoked
 from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid, PayloadTooLarge, PermanentError, RequeuesExhausted, WorkerLost
 from conveyor.metrics import Metrics
-from conveyor.stage import from_wire, to_jsonable
+from conveyor.stage import to_jsonable
 from conveyor.stages import Stages
 from conveyor.store.db import schema as s
 from conveyor.store.db.dialect import db_now, is_sqlite
@@ -35,6 +35,7 @@ from conveyor.store.db.engine import reading
 from conveyor.store.db.schema import dedup_followers, jobs
 from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import JobStore, NewJob, Row, counted_attempts, new_event
+from conveyor.wire import from_wire
 from conveyor.worker.continuations import Continuations, task_id_of
 
 log = logging.getLogger("conveyor.flow")

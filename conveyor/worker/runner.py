@@ -34,10 +34,11 @@ from conveyor.errors import (
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
 from conveyor.shared import job_scope
-from conveyor.stage import StageSpec, from_wire, kept_if_small, payload_from_call, to_jsonable
+from conveyor.stage import StageSpec, kept_if_small, payload_from_call, to_jsonable
 from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, new_event
+from conveyor.wire import from_wire
 from conveyor.worker.admission import Admission, Slot
 from conveyor.worker.completion import Completion
 from conveyor.worker.context import ContextServices, JobContext
