@@ -24,6 +24,9 @@
      │                             the message lists close names
      ├── NotRunning                a command needs ``conveyor up`` (or URLs) and found neither
      ├── OwnerInvalid              an owner name that is not a plain name (letters, digits, ._@+-)
+     ├── JobIdInvalid              a job_id at submit that cannot be a job's id
+     ├── IdempotencyConflict       a submit naming an existing job of a strict stage that is
+     │                             not the same request (another stage or payload)
      ├── ScopeInvalid              a token scope that is not read, submit or admin
      └── SubmitFailed              submit could not record the job: its database failed (an
                                    outage, a timeout). Redis never fails a submit
@@ -173,6 +176,11 @@ class OwnerInvalid(ConveyorError, ValueError):
     and ``._@+-``, starting with a letter or digit. Raised before anything is written."""
 
 
+class JobIdInvalid(ConveyorError, ValueError):
+    """A ``job_id`` given at submit that is not 1-36 letters, digits and ``-_.``. Raised
+    before anything is written."""
+
+
 class ScopeInvalid(ConveyorError, ValueError):
     """A token scope that is not ``read``, ``submit`` or ``admin`` (or no scope at all)."""
 
@@ -183,6 +191,17 @@ class SubmitFailed(ConveyorError):
     may or may not have committed if the connection died during the commit, so retry with
     the same ``idempotency_key``. Redis being away never raises it: the relay publishes
     the job when Redis is back."""
+
+
+class IdempotencyConflict(ConveyorError, ValueError):
+    """A submit that names an existing job (by ``job_id`` or idempotency key) of a stage
+    declared ``idempotency="strict"``, but is not the same request: another stage, or
+    another payload (the stage's ``idempotency_ignore`` fields left out). Nothing was
+    recorded; ``job_id`` is the existing job's id (HTTP 409 ``idempotency-conflict``)."""
+
+    def __init__(self, message: str, *, job_id: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
 
 
 class DatabaseBusy(InfrastructureError):

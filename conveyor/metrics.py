@@ -1,9 +1,16 @@
-"""Prometheus metrics (multiprocess mode so every pool child counts)."""
+"""Prometheus metrics (multiprocess mode so every pool child counts).
+
+``prometheus_client`` picks multiprocess mode when a metric is first made, from the
+environment :meth:`Metrics.enable` sets: a family's module must not make its metrics at
+import. It declares them with :func:`counter` and :func:`histogram` instead, which make
+nothing until metrics are enabled and then the real metric once per process, on first use.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +60,8 @@ class Metrics:
         # prometheus_client picks multiprocess mode from this variable when metrics are made;
         # pool children inherit it.
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(directory)
+        global _enabled
+        _enabled = True  # pool children, forked later, inherit it
         from prometheus_client import Counter, Histogram
 
         for name in COUNTERS:
@@ -70,6 +79,79 @@ class Metrics:
         """Record one body runtime."""
         if self._runtime is not None:
             self._runtime.labels(stage=stage).observe(seconds)
+
+
+_enabled = False
+
+
+class _NoOp:
+    """What a lazy metric is while metrics are off: accepts every call, records nothing."""
+
+    def labels(self, *args: Any, **labels: Any) -> _NoOp:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+    def observe(self, amount: float) -> None:
+        pass
+
+
+_NOOP = _NoOp()
+
+
+class LazyMetric:
+    """A Prometheus metric made on first use in each process, once metrics are enabled;
+    a no-op before (:func:`counter`, :func:`histogram`)."""
+
+    def __init__(self, kind: str, name: str, documentation: str, labelnames: Sequence[str], **extra: Any):
+        self.kind, self.name, self.documentation = kind, name, documentation
+        self.labelnames = tuple(labelnames)
+        self.extra = extra
+        self._made: tuple[int, Any] | None = None
+        self._lock = threading.Lock()
+
+    def _metric(self) -> Any:
+        if not _enabled:
+            return _NOOP
+        made = self._made
+        if made is not None and made[0] == os.getpid():
+            return made[1]
+        with self._lock:
+            if self._made is None or self._made[0] != os.getpid():
+                import prometheus_client
+
+                cls = getattr(prometheus_client, self.kind)
+                # No registry: the multiprocess collector reads the files, and a second
+                # process-local copy must not clash in the default registry.
+                metric = cls(self.name, self.documentation, self.labelnames, registry=None, **self.extra)
+                self._made = (os.getpid(), metric)
+            return self._made[1]
+
+    def labels(self, **labels: str) -> Any:
+        """The child of these label values (a no-op while metrics are off)."""
+        return self._metric().labels(**labels)
+
+    def inc(self, amount: float = 1) -> None:
+        """Count ``amount`` (a metric without labels)."""
+        self._metric().inc(amount)
+
+    def observe(self, amount: float) -> None:
+        """Observe ``amount`` (a histogram without labels)."""
+        self._metric().observe(amount)
+
+
+def counter(name: str, documentation: str, labelnames: Sequence[str] = ()) -> LazyMetric:
+    """A counter made only once metrics are enabled, per process (see the module's doc)."""
+    return LazyMetric("Counter", name, documentation, labelnames)
+
+
+def histogram(
+    name: str, documentation: str, labelnames: Sequence[str] = (), buckets: Sequence[float] | None = None
+) -> LazyMetric:
+    """A histogram made only once metrics are enabled, per process (see the module's doc)."""
+    extra = {"buckets": tuple(buckets)} if buckets is not None else {}
+    return LazyMetric("Histogram", name, documentation, labelnames, **extra)
 
 
 def _gone(name: str) -> bool:

@@ -10,7 +10,7 @@ through its constructor.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -115,6 +115,8 @@ class Platform:
             followers=followers,
             metrics=metrics,
         )
+        store.expired_hook = flow.record_expired
+        conns.kwargsrepr_for = self._kwargsrepr_of
         # The caller's side; what it sets off once a job ended is the flow's (``Settles``).
         self.stops = stops = Stops(conns, store=store, settle=flow)
         self.submitter = Submitter(
@@ -251,6 +253,10 @@ class Platform:
         on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
         on_retry: Callable[[Any, Any], None] | None = None,
         on_stalled: Callable[[Any, Any, int], None] | None = None,
+        on_expired: Callable[[Any, Any], None] | None = None,
+        idempotency: Literal["key", "strict"] = "key",
+        idempotency_ignore: Collection[str] = (),
+        kwargsrepr: Callable[[Mapping[str, Any]], str] | None = None,
         bind: bool = False,
     ) -> Callable[[Callable[..., Any]], StageTask]:
         """Declare a stage: ``fn(ctx, payload) -> result`` becomes the task ``name``; without
@@ -260,7 +266,10 @@ class Platform:
         Policy lives here: queue, attempts, retry schedule, time limits, priority and a
         label function for humans. Deployment overrides (``CONVEYOR_STAGES``) win.
         ``bind=True``, as Celery's, gives a plain-signature body its task as first argument
-        (``self.request``, ``self.retry``).
+        (``self.request``, ``self.retry``). ``idempotency="strict"`` refuses a submit that
+        names an existing job but is not the same request (:class:`IdempotencyConflict`);
+        ``on_expired(conn, payload)`` runs in the transaction that expires a job;
+        ``kwargsrepr(payload)`` is what Flower shows of a job's arguments.
         """
         register = self.stages.declare(
             name,
@@ -281,6 +290,10 @@ class Platform:
             on_dead=on_dead,
             on_retry=on_retry,
             on_stalled=on_stalled,
+            on_expired=on_expired,
+            idempotency=idempotency,
+            idempotency_ignore=frozenset(idempotency_ignore),
+            kwargsrepr=kwargsrepr,
             bind=bind,
         )
 
@@ -301,6 +314,10 @@ class Platform:
             return task  # type: ignore[no-any-return]
 
         return decorate
+
+    def _kwargsrepr_of(self, stage: str) -> Callable[[Mapping[str, Any]], str] | None:
+        spec = self.stages.get(stage)
+        return spec.kwargsrepr if spec is not None else None
 
     def spec(self, stage: str | StageTask | StageSpec) -> StageSpec:
         """Resolve a stage by name, task or spec."""
@@ -324,6 +341,7 @@ class Platform:
         dedup: Dedup | Literal[False] | None = None,
         reuse: Reuse = "never",
         owner: str | None = None,
+        job_id: str | None = None,
     ) -> JobHandle:
         """Record a job and publish it after commit (see :meth:`Submitter.submit`)."""
         return self.submitter.submit(
@@ -340,6 +358,7 @@ class Platform:
             dedup=dedup,
             reuse=reuse,
             owner=owner,
+            job_id=job_id,
         )
 
     def submit_many(

@@ -11,7 +11,7 @@ import json
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import celery
 from pydantic import BaseModel, ValidationError, create_model
@@ -68,6 +68,17 @@ class StageSpec:
     var_keyword: str | None = None
     keyword_only: frozenset[str] = frozenset()  # the parameters after ``*`` or ``*args``
     bound: bool = False  # declared with ``bind=True``: the body's first argument is its task
+    # "strict": a submit naming an existing job (its job id or idempotency key) must be of
+    # this stage with the same payload, ``idempotency_ignore`` fields left out, or it raises
+    # IdempotencyConflict; "key" (default): the existing job is returned, whatever it holds.
+    idempotency: Literal["key", "strict"] = "key"
+    idempotency_ignore: frozenset[str] = frozenset()
+    # Called in the transaction that expires a job (connection, stored payload): the sweep's
+    # and the claim's, so a family's own row never stays behind its expired job.
+    on_expired: Callable[[Any, Any], None] | None = None
+    # The message's ``kwargsrepr`` (what Flower shows of its arguments) from the payload:
+    # a stage whose payload holds personal data masks it here.
+    kwargsrepr: Callable[[Mapping[str, Any]], str] | None = None
 
     @property
     def positional_fields(self) -> list[str]:

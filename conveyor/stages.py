@@ -81,6 +81,8 @@ class Stages(dict[str, StageSpec]):
                 f"stage {name}: hard time limit {hard}s must be below the {what} {bound}s"
             )
         attempts = override.max_attempts or max_attempts or settings.default_max_attempts
+        if policy.get("idempotency", "key") not in ("key", "strict"):
+            raise ConfigurationError(f"stage {name}: idempotency must be 'key' or 'strict'")
 
         def register(fn: StageFn) -> StageSpec:
             if payload is not None:
@@ -95,6 +97,11 @@ class Stages(dict[str, StageSpec]):
                     "keyword_only": plain.keyword_only,
                     "bound": bind,
                 }
+            unknown = sorted(set(policy.get("idempotency_ignore") or ()) - set(model.model_fields))
+            if unknown:
+                raise ConfigurationError(
+                    f"stage {name}: idempotency_ignore names no field of its payload: {', '.join(unknown)}"
+                )
             spec = StageSpec(
                 name=name,
                 fn=body,

@@ -47,9 +47,11 @@ from conveyor.client.handle import JobHandle
 from conveyor.client.owners import owned_key
 from conveyor.client.recorder import Recorder
 from conveyor.client.registry import RegisteredStage
+from conveyor.client.session_hooks import utc_or_none
 from conveyor.client.stops import Stops, report_revoked
-from conveyor.client.submit import Submitter, utc_or_none
+from conveyor.client.submit import Submitter
 from conveyor.dedup import Dedup, DedupPlan, Reuse
+from conveyor.delivery.broker import MASKED
 from conveyor.delivery.celeryconfig import celery_config
 from conveyor.delivery.connections import Connections
 from conveyor.errors import (
@@ -259,6 +261,7 @@ class Client:
         self.registry_ttl = registry_ttl
         self._registry: dict[str, RegisteredStage] = {}
         self._loaded_at = float("-inf")
+        conns.kwargsrepr_for = self._kwargsrepr_of
         self._lock = threading.Lock()
 
     # -- stages ---------------------------------------------------------------------------
@@ -270,6 +273,12 @@ class Client:
                 self._registry = registry.load(self.connections.engine)
                 self._loaded_at = time.monotonic()
             return dict(self._registry)
+
+    def _kwargsrepr_of(self, stage: str) -> Callable[[Mapping[str, Any]], str] | None:
+        """A stage that masks its payload in code this client lacks: its messages say so."""
+        with self._lock:
+            found = self._registry.get(stage)
+        return (lambda payload: MASKED) if found is not None and found.masked_repr else None
 
     def stage(self, name: str) -> RegisteredStage:
         """One registered stage; an unknown name is looked up again once (a worker of a
@@ -297,6 +306,7 @@ class Client:
         dedup: Literal[False] | None = None,
         reuse: Reuse = "never",
         owner: str | None = None,
+        job_id: str | None = None,
     ) -> JobHandle:
         """Record a job of stage ``stage`` and publish it after commit (as
         :meth:`conveyor.platform.Platform.submit`, whose options these are).
@@ -323,10 +333,12 @@ class Client:
             delay=delay,
             expires_in=expires_in,
             run_at=utc_or_none(run_at),
+            job_id=job_id,
         )
         # dedup_policy() refuses a stage whose key only its code computes.
         policy = spec.dedup_policy() if dedup is not False else None
-        return self._submitter.enqueue(new, session=session, plan=self._plan(spec, policy, clean, reuse))
+        plan = self._plan(spec, policy, clean, reuse)
+        return self._submitter.enqueue(new, session=session, plan=plan, strict=spec.strict_rule())
 
     def submit_many(
         self,

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 from sqlalchemy import Connection, Engine, select
 
+from conveyor.client.idempotency import Strict
 from conveyor.client.portable_dedup import model_value, policy_as_data, template_names
 from conveyor.dedup import Dedup
 from conveyor.errors import ConfigurationError, PayloadInvalid, UnknownStage
@@ -80,6 +81,12 @@ class StageLike(Protocol):
     def on_retry(self) -> Callable[[Any, Any], None] | None: ...
     @property
     def payload(self) -> type[BaseModel]: ...
+    @property
+    def idempotency(self) -> str: ...
+    @property
+    def idempotency_ignore(self) -> frozenset[str]: ...
+    @property
+    def kwargsrepr(self) -> Callable[[Mapping[str, Any]], str] | None: ...
 
 
 # -- the worker side: rows from stage specs ------------------------------------------------
@@ -107,7 +114,20 @@ def describe(spec: StageLike) -> dict[str, Any]:
         "preemptable": bool(spec.preemptable),
         "on_retry": spec.on_retry is not None,
         "payload_schema": schema,
+        "submit_rules": submit_rules(spec),
     }
+
+
+def submit_rules(spec: StageLike) -> dict[str, Any] | None:
+    """What a client without ``spec``'s code applies at submit beyond the schema: its strict
+    idempotency rule, and whether the messages' ``kwargsrepr`` hides the payload (the stage
+    masks it in code the client does not have)."""
+    rules: dict[str, Any] = {}
+    if spec.idempotency == "strict":
+        rules["idempotency"] = {"mode": "strict", "ignore": sorted(spec.idempotency_ignore)}
+    if spec.kwargsrepr is not None:
+        rules["masked_repr"] = True
+    return rules or None
 
 
 def write(bind: Engine | Connection, specs: Iterable[StageLike]) -> list[str]:
@@ -207,6 +227,8 @@ class RegisteredStage:
     # the row predates the registry saying so, which a client takes as "may have one".
     on_retry: bool | None = None
     updated_at: dt.datetime | None = None
+    # What the client applies at submit beyond the schema (:func:`submit_rules`).
+    submit_rules: Mapping[str, Any] | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> RegisteredStage:
@@ -223,7 +245,20 @@ class RegisteredStage:
             preemptable=bool(row.get("preemptable")),
             on_retry=row.get("on_retry"),
             updated_at=row.get("updated_at"),
+            submit_rules=row.get("submit_rules"),
         )
+
+    def strict_rule(self) -> Strict | None:
+        """The stage's strict idempotency rule (:mod:`conveyor.client.idempotency`), or None."""
+        rule = (self.submit_rules or {}).get("idempotency") or {}
+        if rule.get("mode") != "strict":
+            return None
+        return Strict.of(self.name, rule.get("ignore") or (), self.payload_schema)
+
+    @property
+    def masked_repr(self) -> bool:
+        """Whether the stage masks what Flower shows of its payload (its ``kwargsrepr``)."""
+        return bool((self.submit_rules or {}).get("masked_repr"))
 
     @functools.cached_property
     def _validator(self) -> Any:

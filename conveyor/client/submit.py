@@ -13,7 +13,7 @@ import datetime as dt
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -21,19 +21,20 @@ from celery import Task
 from kombu.entity import Queue
 from opentelemetry.trace import SpanKind
 from pydantic import BaseModel
-from sqlalchemy import Connection
-from sqlalchemy import event as sa_event
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, scoped_session
 
 from conveyor import tracing
+from conveyor.client import session_hooks
 from conveyor.client.bulk import DEFAULT_BATCH_SIZE, BulkItem, BulkSubmit, check_keys, indexed_invalid
 from conveyor.client.enlist import Enlistment
 from conveyor.client.followers import Settles, has_flow
 from conveyor.client.handle import JobHandle
+from conveyor.client.idempotency import Strict
 from conveyor.client.owners import owned_key
 from conveyor.client.recorder import Recorder
+from conveyor.client.session_hooks import resolved, utc_or_none
 from conveyor.client.stops import Stops
 from conveyor.dedup import Dedup, DedupPlan, Reuse
 from conveyor.delivery.connections import Connections
@@ -47,9 +48,6 @@ from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import JobStore, NewJob
 
 log = logging.getLogger("conveyor.submit")
-
-PENDING_KEY = "conveyor_pending_publish"
-Pending = tuple[Any, Callable[[], None], str, str]  # (its session transaction, fn, job id, stage)
 
 
 class Submitter:
@@ -76,6 +74,7 @@ class Submitter:
         self.settle = settle
         self.metrics = metrics
         self._local = threading.local()
+        self._strict: dict[str, Strict] = {}
 
     def handle(self, job_id: str, *, deduplicated: bool = False, task_id: str | None = None) -> JobHandle:
         """A handle on job ``job_id``."""
@@ -104,6 +103,7 @@ class Submitter:
         dedup: Dedup | Literal[False] | None = None,
         reuse: Reuse = "never",
         owner: str | None = None,
+        job_id: str | None = None,
     ) -> JobHandle:
         """Record a job and publish it after commit. Returns a :class:`JobHandle`.
 
@@ -115,6 +115,10 @@ class Submitter:
         turns it off); ``reuse`` applies to deterministic ids. A duplicate never raises:
         it returns the holder's handle. ``owner`` is recorded with the job (who may see it
         over HTTP); it scopes ``idempotency_key`` to that owner (:mod:`conveyor.client.owners`).
+        ``job_id`` (1-36 letters, digits, ``-_.``) is the job's id: a job of that id already
+        recorded is returned (any state) with ``deduplicated=True``. A stage declared
+        ``idempotency="strict"`` raises :class:`conveyor.errors.IdempotencyConflict` instead
+        when that job (or the key's) is another stage's or holds another payload.
         """
         key = owned_key(owner, idempotency_key)
         spec = self.stages.spec(stage)
@@ -132,9 +136,20 @@ class Submitter:
             delay=delay,
             expires_in=expires_in,
             run_at=utc_or_none(run_at),
+            job_id=job_id,
         )
         plan = self.recorder.dedup_plan(spec, model, dedup, reuse)
-        return self.enqueue(new, session=session, plan=plan)
+        return self.enqueue(new, session=session, plan=plan, strict=self.strict_rule(spec))
+
+    def strict_rule(self, spec: StageSpec) -> Strict | None:
+        """``spec``'s strict idempotency rule, or None for a stage without one."""
+        if spec.idempotency != "strict":
+            return None
+        rule = self._strict.get(spec.name)
+        if rule is None:
+            schema = spec.payload.model_json_schema(mode="serialization")
+            rule = self._strict[spec.name] = Strict.of(spec.name, spec.idempotency_ignore, schema)
+        return rule
 
     def submit_many(
         self,
@@ -262,8 +277,11 @@ class Submitter:
         *,
         session: Session | scoped_session[Any] | Enlistment | None,
         plan: DedupPlan | None = None,
+        strict: Strict | None = None,
     ) -> JobHandle:
         """Record ``new`` (deduplicated by ``plan``) and publish it once it has committed.
+        With ``strict``, a job returned under ``new``'s id or key must be the same request
+        (:mod:`conveyor.client.idempotency`).
 
         Inside a ``conveyor.client.submit`` span (a child of the caller's current span), whose
         context the row keeps: the job's trace (:mod:`conveyor.tracing`).
@@ -271,7 +289,7 @@ class Submitter:
         attributes = {"conveyor.stage": new.stage, "conveyor.job_id": new.id, "conveyor.queue": new.queue}
         with tracing.span("conveyor.submit", attributes=attributes, kind=SpanKind.PRODUCER) as span:
             new.trace_context = tracing.carrier()
-            handle = self._enqueue(new, session=session, plan=plan)
+            handle = self._enqueue(new, session=session, plan=plan, strict=strict)
             if handle.id != new.id:
                 span.set_attribute("conveyor.deduplicated_into", handle.id)
             return handle
@@ -282,10 +300,12 @@ class Submitter:
         *,
         session: Session | scoped_session[Any] | Enlistment | None,
         plan: DedupPlan | None,
+        strict: Strict | None = None,
     ) -> JobHandle:
         if session is not None and not isinstance(session, Enlistment):
             session = resolved(session)
         connections, recorder, fast = self.connections, self.recorder, self.connections.fast
+        settings = connections.settings
         now = 0.0
         if plan is not None:
             cached = None
@@ -332,6 +352,12 @@ class Submitter:
             else:
                 with connections.engine.begin() as conn:
                     job_id, created = recorder.record(conn, new, plan, now, epoch)
+            if strict is not None and not created:
+                if session is not None:
+                    strict.check(use_schema(session.connection(), settings.db_schema), new, job_id)
+                else:
+                    with connections.engine.connect() as conn:
+                        strict.check(conn, new, job_id)
         except (DBAPIError, PoolTimeout) as exc:
             if session is not None and not is_connection_loss(exc):
                 raise  # the caller's transaction: its own error, for it to handle
@@ -384,7 +410,7 @@ class Submitter:
         elif isinstance(session, Enlistment):
             session.after_commit(after_commit, new.id)
         else:
-            _after_commit(session, after_commit, new.id, new.stage)
+            session_hooks.after_commit(session, after_commit, new.id, new.stage)
         following = created and new.status == s.WAITING_DEDUP
         handle = self.handle(
             job_id,
@@ -403,107 +429,4 @@ def _submit_failed(stage: str, exc: BaseException) -> SubmitFailed:
     )
 
 
-def utc_or_none(value: Any) -> dt.datetime | None:
-    """An absolute time as an aware UTC datetime (naive ones are taken as UTC)."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = dt.datetime.fromisoformat(value)
-    if not isinstance(value, dt.datetime):
-        raise TypeError(f"expected a datetime, got {type(value).__name__}")
-    return (value if value.tzinfo else value.replace(tzinfo=dt.UTC)).astimezone(dt.UTC)
-
-
-def resolved(session: Session | scoped_session[Any]) -> Session:
-    """The :class:`Session` a caller means: a ``scoped_session`` (Flask-SQLAlchemy's
-    ``db.session``) is resolved to its current session, so nothing is ever hooked on the
-    registry, whose events SQLAlchemy applies to the whole session class."""
-    return session() if isinstance(session, scoped_session) else session
-
-
-def _after_commit(session: Session, fn: Callable[[], None], job_id: str, stage: str) -> None:
-    """Run ``fn`` once ``session``'s outermost transaction commits.
-
-    Dropped if the transaction it was registered in rolls back, or any savepoint around
-    it does, or the session is closed first; a savepoint rolled back *beside* it (before
-    or after) leaves it alone; the outermost one ending uncommitted logs one warning naming
-    the jobs (``job_id`` of ``stage``...). The pending calls live in ``session.info``; the
-    listeners that run them are installed once per process on :class:`Session` (so on every
-    subclass and ``sessionmaker``), never per session: a long-lived process that
-    submits in every request keeps the same listeners.
-    """
-    _install_listeners()
-    current = session.get_nested_transaction() or session.get_transaction()
-    session.info.setdefault(PENDING_KEY, []).append((current, fn, job_id, stage))
-
-
-_install_lock = threading.Lock()
-_installed = False
-
-
-def _install_listeners() -> None:
-    global _installed
-    if _installed:
-        return
-    with _install_lock:
-        if not _installed:
-            sa_event.listen(Session, "after_commit", _on_commit)
-            sa_event.listen(Session, "after_soft_rollback", _on_soft_rollback)
-            sa_event.listen(Session, "after_transaction_end", _on_transaction_end)
-            _installed = True
-
-
-def _on_commit(session: Session) -> None:
-    if session.get_nested_transaction() is not None:
-        return  # a savepoint was released: its work commits (or not) with the outer one
-    todo: list[Pending] = session.info.pop(PENDING_KEY, None) or []
-    if not todo:
-        return
-    bind = session.bind
-    if isinstance(bind, Connection) and bind.in_transaction():
-        # The session joined a transaction it does not own (a test fixture's, a
-        # framework's): its commit only released a savepoint, and Core has no
-        # after-commit hook. The jobs, recorded unpublished, are left to the relay:
-        # published within a relay interval if that transaction commits, never if not.
-        return
-    for _, fn, _, _ in todo:
-        fn()
-
-
-def _on_soft_rollback(session: Session, ended: Any) -> None:
-    _drop_within(session, ended)
-
-
-def _on_transaction_end(session: Session, ended: Any) -> None:
-    if ended.parent is None:
-        # The outermost transaction ended without a commit that ran them (a close()
-        # without rollback() fires no rollback event): its jobs' rows are gone. A rollback
-        # ends it here too, before its after_soft_rollback: one warning either way.
-        dropped = _drop_within(session, ended)
-        if dropped:
-            log.warning(
-                "a session's transaction ended without a commit (rolled back or closed): %d "
-                "job(s) submitted in it were not committed and will not run: %s",
-                len(dropped), ", ".join(f"{job_id} ({stage})" for _, _, job_id, stage in dropped),
-            )  # fmt: skip
-
-
-def _drop_within(session: Session, ended: Any) -> list[Pending]:
-    """Forget the pending publishes of ``ended`` and its savepoints; the ones forgotten."""
-    pending: list[Pending] | None = session.info.get(PENDING_KEY)
-    if not pending:
-        return []
-    session.info[PENDING_KEY] = [entry for entry in pending if not _within(entry[0], ended)]
-    return [entry for entry in pending if _within(entry[0], ended)]
-
-
-def _within(tx: Any, ancestor: Any) -> bool:
-    """Whether session transaction ``tx`` is ``ancestor`` or nested inside it."""
-    while tx is not None:
-        if tx is ancestor:
-            return True
-        tx = tx.parent
-    return False
-
-
-__all__ = ["PENDING_KEY", "Submitter", "resolved"]
+__all__ = ["Submitter"]

@@ -29,6 +29,8 @@ from conveyor.store.db.schema import IGNORE_RESULT
 log = logging.getLogger("conveyor.broker")
 
 JOB_HEADER = "conveyor_job_id"
+KwargsRepr = Callable[[Mapping[str, Any]], str]
+MASKED = "(masked)"  # the kwargsrepr of a stage that masks its payload, where its code is absent
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,21 @@ class Broker:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.wakeups = Wakeups(redis)
+        # A stage's own kwargsrepr (what Flower shows of a payload holding personal data),
+        # by stage name: set by whoever knows the stages (the platform, the by-name client).
+        self.kwargsrepr_for: Callable[[str], KwargsRepr | None] = lambda stage: None
+
+    def kwargsrepr(self, stage: str, payload: Mapping[str, Any], maxsize: int, maxlevels: int) -> str | None:
+        """The message's ``kwargsrepr`` header: the stage's own when it has one (a failing
+        one writes ``(masked)``, never the payload), else :func:`quick_kwargsrepr`'s."""
+        custom = self.kwargsrepr_for(stage)
+        if custom is None:
+            return quick_kwargsrepr(payload, maxsize, maxlevels)
+        try:
+            return str(custom(payload))[:maxsize]
+        except Exception:
+            log.warning("the kwargsrepr of stage %s failed; published as (masked)", stage, exc_info=True)
+            return MASKED
 
     def submit_epoch(self, *, max_age: float = 1.0) -> str | None:
         """The epoch a job about to be inserted is published under, asking Redis only
@@ -330,7 +347,7 @@ class Broker:
             # conveyor.delivery.celeryconfig); a chord member is still counted.
             ignore_result=bool(options.get(IGNORE_RESULT)),
             argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
-            kwargsrepr=quick_kwargsrepr(payload, *repr_limits(app)),
+            kwargsrepr=self.kwargsrepr(stage, payload, *repr_limits(app)),
             stamped_headers=options.get("stamped_headers"),
             **{k: options[k] for k in options.get("stamped_headers") or () if k in options},
             **routed,
@@ -420,7 +437,7 @@ class Broker:
                 oid, None, None, sent_event, None, None, None, None,
                 ignore_result=job.ignore_result,
                 argsrepr="()",  # saferepr(()): every stage takes its payload as kwargs
-                kwargsrepr=quick_kwargsrepr(job.payload, maxsize, maxlevels),
+                kwargsrepr=self.kwargsrepr(job.stage, job.payload, maxsize, maxlevels),
             )  # fmt: skip
             message.headers[JOB_HEADER] = job.job_id
             if traced:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import psycopg  # noqa: F401  (imported before the pool forks, not once per child)
@@ -22,7 +22,7 @@ from redis.retry import Retry
 from sqlalchemy import Connection, Engine
 
 from conveyor.delivery.amqp import AmqpEpoch
-from conveyor.delivery.broker import Broker
+from conveyor.delivery.broker import Broker, KwargsRepr
 from conveyor.delivery.celeryconfig import PLACEHOLDER_BROKER, celery_config
 from conveyor.delivery.fastpath import FastPath
 from conveyor.errors import NotRunning
@@ -54,6 +54,9 @@ class Connections:
         self._engine: Engine | None = None
         self._redis: Redis | None = None
         self._broker: Broker | None = None
+        # A stage's own kwargsrepr by name (Broker.kwargsrepr_for): kept here, as the broker
+        # is made again in a forked child.
+        self.kwargsrepr_for: Callable[[str], KwargsRepr | None] = lambda stage: None
         self._lane: Lane | None = None
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -190,6 +193,7 @@ class Connections:
                     else None
                 ),
             )
+            self._broker.kwargsrepr_for = lambda stage: self.kwargsrepr_for(stage)
         return self._broker
 
 

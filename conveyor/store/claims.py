@@ -11,7 +11,7 @@ claims that did not count.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -64,6 +64,9 @@ class Claims:
     # An outage's uncounted requeue waits requeue_delay(requeues) (settings infra_backoff/_cap).
     requeue_backoff: float
     requeue_backoff_cap: float
+    # Called in the transaction that expires a job, with its row (the stage's on_expired:
+    # conveyor.worker.flow.Flow.record_expired, set by the platform).
+    expired_hook: Callable[[Connection, Row], None] | None = None
 
     # -- the row primitives both halves of the store use ---------------------------------
 
@@ -103,6 +106,8 @@ class Claims:
         ok = conn.execute(update(jobs).where(*cond).values(**values)).rowcount == 1
         if ok:
             self.emit(conn, [new_event(job["id"], topic, {"stage": job["stage"], **(body or {})})])
+            if status == s.EXPIRED and self.expired_hook is not None:
+                self.expired_hook(conn, job)
         return ok
 
     # -- claims ---------------------------------------------------------------------------

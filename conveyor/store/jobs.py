@@ -5,6 +5,7 @@ comparisons use the database clock."""
 from __future__ import annotations
 
 import datetime as dt
+import re
 import traceback as tb
 import uuid
 from collections.abc import Iterable, Mapping
@@ -15,7 +16,7 @@ from sqlalchemy import Connection, func, insert, or_, select, update
 from sqlalchemy.engine import RowMapping
 
 from conveyor import tracing
-from conveyor.errors import describe
+from conveyor.errors import JobIdInvalid, describe
 from conveyor.logs import redact_text
 from conveyor.store.claims import Claim, ClaimOutcome, Claims, counted_attempts
 from conveyor.store.db import schema as s
@@ -91,9 +92,11 @@ class NewJob:
         delay: float = 0.0,
         expires_in: float | None = None,
         run_at: dt.datetime | None = None,
+        job_id: str | None = None,
     ) -> NewJob:
-        """A job as ``submit()`` records it: its own id is its first task id, and it is
-        published with Celery's ``ignore_result`` (its outcome is the row)."""
+        """A job as ``submit()`` records it: its own id (``job_id``, checked by
+        :func:`checked_job_id`, or a new UUID) is its first task id, and it is published
+        with Celery's ``ignore_result`` (its outcome is the row)."""
         job = cls(
             stage=stage,
             queue=queue,
@@ -108,6 +111,8 @@ class NewJob:
             run_at=run_at,
             options={s.IGNORE_RESULT: True},
         )
+        if job_id is not None:
+            job.id = checked_job_id(job_id)
         job.origin_task_id = job.id
         return job
 
@@ -116,6 +121,19 @@ class NewJob:
         """Published at insert. An absolute ``run_at`` is left to the relay, which compares
         it with the database's clock, never the submitter's."""
         return self.delay <= 0 and self.run_at is None
+
+
+_JOB_ID = re.compile(rf"[A-Za-z0-9_.-]{{1,{s.JOB_ID_LENGTH}}}")
+
+
+def checked_job_id(job_id: str) -> str:
+    """``job_id`` if it can be a job's id (1-36 letters, digits and ``-_.``, a UUID's
+    text fits), else :class:`JobIdInvalid` (which never quotes it)."""
+    if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
+        raise JobIdInvalid(
+            f"job_id must be 1-{s.JOB_ID_LENGTH} letters, digits and '-_.' (a UUID fits)"
+        )
+    return job_id
 
 
 class JobStore(Claims):

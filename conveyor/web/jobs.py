@@ -15,6 +15,7 @@ from fastapi import APIRouter, Body, Path, Query, Request, Response
 from conveyor import tracing
 from conveyor.client.by_name import Client
 from conveyor.client.handle import JobHandle
+from conveyor.errors import IdempotencyConflict
 from conveyor.store.db.schema import TERMINAL, Row
 from conveyor.web.auth import Caller, Reader, Submitter, client_of
 from conveyor.web.limits import held_limit
@@ -51,8 +52,9 @@ def _visible_row(handle: JobHandle, caller: Caller) -> Row:
     response_model=SubmittedJob,
     summary="Submit a job by stage name",
     description="Scope `submit`. 201 with the new job; 200 with the existing one when the submit "
-    "was deduplicated (the same idempotency key, or the stage's dedup policy). The job's owner is "
-    "the token's.",
+    "was deduplicated (the same job_id or idempotency key, or the stage's dedup policy); 409 "
+    "`idempotency-conflict` when a stage declared strict finds another request under that id "
+    "or key. The job's owner is the token's.",
     responses={
         201: {"links": job_links("/id", "GetJob", "CancelJob", "JobEvents")},
         200: {
@@ -69,20 +71,30 @@ def submit(request: Request, response: Response, caller: Submitter, body: Submit
     # A caller that sends a W3C trace context gets the job in its trace.
     incoming = {k: request.headers[k] for k in ("traceparent", "tracestate") if k in request.headers}
     with tracing.attached(incoming):
-        handle = _submit(client, body, caller)
+        try:
+            handle = _submit(client, body, caller)
+        except IdempotencyConflict as exc:
+            if not caller.sees(client.job(exc.job_id).row()["owner"]):
+                raise _taken_by_another_owner() from None
+            raise
     row = handle.row()
     if handle.deduplicated and not caller.sees(row["owner"]):
-        # The stage's dedup policy found an equal job of someone else: not this caller's to see.
-        raise Problem(
-            409,
-            "duplicate-of-another-owner",
-            "Conflict",
-            f"an equal job of another owner holds {body.stage}'s dedup key; nothing was submitted",
-        )
+        # The stage's dedup policy, or a job_id, found a job of someone else: not this
+        # caller's to see.
+        raise _taken_by_another_owner()
     response.headers["Location"] = f"{request.scope.get('root_path', '')}/jobs/{handle.id}"
     if handle.deduplicated:
         response.status_code = 200
     return SubmittedJob(**JobView.from_row(row).model_dump(), deduplicated=handle.deduplicated)
+
+
+def _taken_by_another_owner() -> Problem:
+    return Problem(
+        409,
+        "duplicate-of-another-owner",
+        "Conflict",
+        "a job of another owner holds this job_id or the stage's dedup key; nothing was submitted",
+    )
 
 
 def _submit(client: Client, body: SubmitRequest, caller: Caller) -> JobHandle:
@@ -90,6 +102,7 @@ def _submit(client: Client, body: SubmitRequest, caller: Caller) -> JobHandle:
         body.stage,
         body.payload,
         idempotency_key=body.idempotency_key,
+        job_id=body.job_id,
         delay=body.delay,
         run_at=body.run_at,
         expires_in=body.expires_in,

@@ -46,6 +46,13 @@ class SubmitRequest(BaseModel):
         max_length=128,
         description="a key seen before (for this owner) returns the job it made, whatever the payload",
     )
+    job_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]{1,36}$",
+        description="the job's id (a UUID fits); a job of that id already recorded is returned "
+        "(200, deduplicated), or 409 idempotency-conflict for a strict stage when it holds "
+        "another stage or payload",
+    )
     delay: float = Field(0.0, ge=0, le=TEN_YEARS, description="seconds from now (the database's clock)")
     run_at: DateTime | None = Field(None, description="when to run it (naive means UTC); wins over delay")
     expires_in: float | None = Field(

@@ -25,6 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from conveyor.errors import (
     ConfigurationError,
+    IdempotencyConflict,
+    JobIdInvalid,
     NotRunning,
     PayloadInvalid,
     PayloadTooLarge,
@@ -155,6 +157,10 @@ def _from_conveyor(exc: Exception) -> Problem:
         return invalid_value(cause) if isinstance(cause, DataError) else unavailable(str(exc))
     if isinstance(exc, NotRunning):
         return unavailable("no database is configured")
+    if isinstance(exc, IdempotencyConflict):
+        return Problem(409, "idempotency-conflict", "Idempotency conflict", str(exc), job_id=exc.job_id)
+    if isinstance(exc, JobIdInvalid):
+        return Problem(422, "invalid-job-id", "Invalid job id", str(exc))
     assert isinstance(exc, ConfigurationError)
     # A stage whose dedup key only the deployment's code computes (see conveyor.client.registry).
     return Problem(422, "not-submittable", "Stage cannot be submitted here", str(exc))
@@ -204,7 +210,8 @@ def install(app: FastAPI) -> None:
         return problem_response(request, Problem(500, None, "Internal Server Error"))
 
     app.add_exception_handler(Problem, on_problem)
-    for kind in (UnknownStage, PayloadInvalid, SubmitFailed, NotRunning, ConfigurationError):
+    kinds = (UnknownStage, PayloadInvalid, SubmitFailed, NotRunning, ConfigurationError)
+    for kind in (*kinds, IdempotencyConflict, JobIdInvalid):
         app.add_exception_handler(kind, on_conveyor)
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)

@@ -2,9 +2,17 @@
 
 Both live in Redis so that they hold across every worker (Celery's ``rate_limit`` is per
 worker process and is not used). A delivery over a limit is not dropped and holds no pool
-slot: its job is parked in Postgres as ``throttled`` with ``run_at`` at the next token (or
+slot: its job is parked in Postgres as ``throttled`` with ``run_at`` at its token time (or
 shortly, for a full stage) and a ``job.rate_limited`` event, and the relay publishes it
 again when due.
+
+Over the rate limit a job *reserves* the next free token time: the bucket goes one token
+further below zero and the job's due time is kept in a sorted set beside the bucket
+(``rate:<queue>:held``, member: the job id), so the k-th job refused in a burst waits about
+k/rate instead of every one coming back at once. When the job returns at or after its due
+time it runs on its reservation without taking another token; earlier, it is told to wait
+the rest. Reservations whose job never returns are pruned after a grace period; a Redis
+wipe only loses them (a returning job then takes a token like any other).
 """
 
 from __future__ import annotations
@@ -18,20 +26,42 @@ from redis.commands.core import Script
 
 from conveyor.settings import RateLimit
 
-# A token bucket per queue. Returns the seconds to wait for a token (0: one was taken).
+# A token bucket per queue whose level may go below zero: each refused job reserves the
+# next token time (KEYS[2], scores in ms). Returns the seconds to wait (0: admitted, on a
+# fresh token or on the job's due reservation).
 _TAKE_TOKEN = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local now_ms = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local rate, burst, job, grace_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%.3f', now_ms - grace_ms))
+local due = tonumber(redis.call('ZSCORE', KEYS[2], job))
+if due then
+  if due <= now_ms then
+    redis.call('ZREM', KEYS[2], job)
+    return '0'
+  end
+  return tostring((due - now_ms) / 1000)
+end
 local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
 local tokens, ts = tonumber(b[1]) or burst, tonumber(b[2]) or now
 tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
 local wait = 0
-if tokens >= 1 then tokens = tokens - 1 else wait = (1 - tokens) / rate end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
-return tostring(wait)
+if tokens < 1 then wait = (1 - tokens) / rate end
+tokens = tokens - 1
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', string.format('%.6f', now))
+redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
+if wait == 0 then return '0' end
+due = math.ceil(now_ms + wait * 1000)
+redis.call('ZADD', KEYS[2], string.format('%d', due), job)
+local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
+redis.call('PEXPIRE', KEYS[2], math.ceil(tonumber(last[2]) - now_ms + grace_ms))
+return tostring((due - now_ms) / 1000)
 """
+
+# Reservations whose job has not come back this long after their due time (cancelled,
+# finished elsewhere, parked for longer) are dropped; the token they took is not returned.
+_RESERVATION_GRACE_MS = 300_000
 
 # A counting semaphore per stage: members expire unless renewed (a killed worker's slot
 # comes back after the TTL). Returns 1 if ``member`` holds a slot.
@@ -77,26 +107,36 @@ class Admission:
         self.busy_wait = busy_wait
         self._scripts: dict[str, Script] = {}
 
-    def _run(self, source: str, key: str, *args: float | str) -> Any:
+    def _run(self, source: str, keys: list[str], *args: float | str) -> Any:
         r = self._redis()
         script = self._scripts.get(source)
         if script is None:
             script = self._scripts[source] = r.register_script(source)
-        return script(keys=[key], args=list(args), client=r)
+        return script(keys=keys, args=list(args), client=r)
 
     def check(
         self, *, queue: str, rate: RateLimit | None, stage: str, concurrency: int | None, job_id: str
     ) -> Verdict:
-        """Take a slot (if capped) and a token (if limited); on refusal nothing is held."""
+        """Take a slot (if capped) and a token or the job's due reservation (if limited).
+
+        Over the rate limit the job keeps a reservation (its own token time, the wait
+        returned) and no slot; refused for concurrency, it holds nothing new.
+        """
+        # The slot comes first so that a job refused for concurrency never touches the bucket
+        # (it would otherwise consume a token, or reserve one, per bounce off a full stage). A
+        # job refused for rate gives its slot back but keeps its reservation, which it uses
+        # whenever it next gets a slot, so bouncing off the cap later costs no second token.
         slot = None
         if concurrency is not None:
             slot = Slot(f"{self.key_prefix}slots:{stage}", job_id)
-            took = self._run(_TAKE_SLOT, slot.key, concurrency, slot.member, self.slot_ttl_ms)
+            took = self._run(_TAKE_SLOT, [slot.key], concurrency, slot.member, self.slot_ttl_ms)
             if not int(took):
                 return Verdict(wait=self.busy_wait, reason="concurrency")
         if rate is not None:
             burst = rate.burst or max(1.0, rate.rate)
-            wait = float(self._run(_TAKE_TOKEN, f"{self.key_prefix}rate:{queue}", rate.rate, burst))
+            bucket = f"{self.key_prefix}rate:{queue}"
+            keys = [bucket, f"{bucket}:held"]
+            wait = float(self._run(_TAKE_TOKEN, keys, rate.rate, burst, job_id, _RESERVATION_GRACE_MS))
             if wait > 0:
                 if slot is not None:
                     self.release(slot)

@@ -284,6 +284,22 @@ class Flow:
         conn.execute(update(jobs).where(jobs.c.id == row["id"]).values(result=result))
         return (result,)
 
+    def record_expired(self, conn: Connection, row: Row) -> None:
+        """A job expired (the sweep, or the claim that found it late): let the stage record
+        it (``on_expired``), in a savepoint of the expiring transaction, so a failing hook
+        never undoes the expiry nor stops the sweep's other jobs."""
+        spec = self.stages.get(row["stage"])
+        if spec is None or spec.on_expired is None:
+            return
+        payload = row.get("payload")
+        if payload is None:  # a partial row: the payload is the hook's to read
+            payload = conn.execute(select(jobs.c.payload).where(jobs.c.id == row["id"])).scalar_one()
+        try:
+            with conn.begin_nested():
+                spec.on_expired(conn, payload)
+        except Exception:
+            log.error("on_expired hook of %s failed for %s", row["stage"], row["id"], exc_info=True)
+
     def record_stalled(self, conn: Connection, row: Row, attempts: int) -> None:
         """A lost worker's attempt was taken over: let the stage record it (``on_stalled``).
 

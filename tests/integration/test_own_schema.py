@@ -73,7 +73,7 @@ def test_beside_an_app_everything_goes_into_the_conveyor_schema(platform: Any, w
                 "app_0007"
             ]
             heads = set(conn.execute(text("SELECT version_num FROM conveyor.alembic_version")).scalars())
-            assert {"0018", "d002", "f005"} <= heads
+            assert {"0019", "d002", "f005"} <= heads
             functions = conn.execute(
                 text("SELECT proname FROM pg_proc WHERE pronamespace = 'public'::regnamespace")
             ).scalars()

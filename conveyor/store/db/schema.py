@@ -282,6 +282,9 @@ stages = Table(
     # Whether the stage has an ``on_retry`` hook; NULL: written before the registry said.
     Column("on_retry", Boolean, nullable=True),
     Column("updated_at", Timestamp(), nullable=False),  # when the row last changed
+    # What a client applies at submit beyond the schema (conveyor.client.registry.submit_rules):
+    # a strict idempotency rule, a masked kwargsrepr. NULL: nothing more.
+    Column("submit_rules", JSON(none_as_null=True), nullable=True),
 )
 
 # Bearer tokens of the HTTP API (see conveyor.web.tokens): only a SHA-256 of each secret is
