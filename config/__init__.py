@@ -13,4 +13,10 @@ import importlib.util
 FILES_EXTRA = ("numpy", "pypdf", "docx", "lxml", "markdown_it", "charset_normalizer", "puremagic")
 HAS_FILES = all(importlib.util.find_spec(m) is not None for m in FILES_EXTRA)
 
-CLI_EXTENSIONS = {"files": "pipelines.files.cli:app"} if HAS_FILES else {}
+EMAIL_EXTRA = ("email_validator", "aiosmtpd")
+HAS_EMAIL = all(importlib.util.find_spec(m) is not None for m in EMAIL_EXTRA)
+
+CLI_EXTENSIONS = {
+    **({"files": "pipelines.files.cli:app"} if HAS_FILES else {}),
+    **({"email": "pipelines.email.cli:app"} if HAS_EMAIL else {}),
+}

@@ -9,7 +9,11 @@ from sqlalchemy import Engine
 from conveyor.store.db.migrate import upgrade as platform_upgrade
 
 ROOT = Path(__file__).resolve().parent.parent
-FAMILY_MIGRATIONS = [ROOT / "tasks" / "demo" / "migrations", ROOT / "tasks" / "files" / "migrations"]
+FAMILY_MIGRATIONS = [
+    ROOT / "tasks" / "demo" / "migrations",
+    ROOT / "tasks" / "files" / "migrations",
+    ROOT / "tasks" / "email" / "migrations",
+]
 
 
 def upgrade(engine: Engine) -> None:

@@ -23,6 +23,9 @@ QUEUES = [
     quorum_queue("file-chunk", EXCHANGE),
     quorum_queue("file-embed", EXCHANGE),
     quorum_queue("batch-completion", EXCHANGE),
+    # The email family. Its seed's 100 messages/s across workers is
+    # CONVEYOR_RATE_LIMITS='{"email": {"rate": 100}}' (off by default).
+    quorum_queue("email", EXCHANGE),
 ]
 
 DEFAULT_QUEUE = "default"

@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from conveyor.settings import ConveyorSettings
+from tasks.email.settings import EmailSettings
 from tasks.files.storage import S3Settings
 
 
@@ -33,6 +34,7 @@ class Settings(ConveyorSettings):
     """All settings (env prefix ``CONVEYOR_``)."""
 
     files: FilesSettings = FilesSettings()
+    email: EmailSettings = EmailSettings()  # CONVEYOR_EMAIL, JSON (tasks/email/settings.py)
 
     def files_storage_dir(self) -> Path:
         """Where local file contents live."""

@@ -88,6 +88,11 @@ class ConveyorSettings(BaseSettings):
         None, description="the deployment's directory, where `app` is imported from (default: cwd)"
     )
     demo: str = Field("pipelines.demo:self_check", description="the deployment's self-check")
+    demo_peers: str | None = Field(
+        "pipelines.demo:peers",
+        description="a context manager `conveyor demo` enters before starting its worker: it starts "
+        "the local peers the families talk to and yields the worker's extra environment",
+    )
 
     visibility_timeout: float = 3600.0
     lease_timeout: float = Field(8.0, description="a running job whose lease is this old is taken over")

@@ -3,6 +3,7 @@ processes (``up`` supervises its children, restarting one that exits)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -445,18 +446,31 @@ def demo(
             )
             _wait_for_database(platform)
             migrate(platform)
-            if not attached or (base.redis_url and base.database_url):
-                logs = platform.settings.resolved_home() / "logs"
-                logs.mkdir(exist_ok=True)
-                proc = start_worker(
-                    platform.settings,
-                    queues=[q.name for q in platform.queues],
-                    concurrency=concurrency,
-                    log_path=logs / "demo-worker.log",
-                    extra_env={"CONVEYOR_RELAY_INTERVAL": "0.2", "CONVEYOR_RECONCILER_INTERVAL": "1"},
-                )
-            check = import_path(platform.settings.demo)
-            ok = check(platform, console, jobs=jobs)
+            own_worker = not attached or bool(base.redis_url and base.database_url)
+            # The families' local peers, named in the worker's environment: only a worker
+            # the demo starts can be told where they are.
+            hook = platform.settings.demo_peers
+            peers = import_path(hook)() if hook and own_worker else contextlib.nullcontext({})
+            with peers as peer_env:
+                if own_worker:
+                    logs = platform.settings.resolved_home() / "logs"
+                    logs.mkdir(exist_ok=True)
+                    proc = start_worker(
+                        platform.settings,
+                        queues=[q.name for q in platform.queues],
+                        concurrency=concurrency,
+                        log_path=logs / "demo-worker.log",
+                        extra_env={
+                            "CONVEYOR_RELAY_INTERVAL": "0.2",
+                            "CONVEYOR_RECONCILER_INTERVAL": "1",
+                            **dict(peer_env),
+                        },
+                    )
+                check = import_path(platform.settings.demo)
+                ok = check(platform, console, jobs=jobs)
+                if proc is not None:
+                    stop(proc)
+                    proc = None
             return 0 if ok else 1
         finally:
             if proc is not None:

@@ -147,7 +147,8 @@ class DeadLetterQueue:
         ``on_dead`` recorded, and when it completes, the continuation that ran with the
         dead job's result runs again with the new one. ``max_attempts`` grows to
         ``counted attempts + policy``; ``attempts`` never decreases, so fencing tokens stay
-        monotonic. Returns the job id, or None if nothing to retry.
+        monotonic. A job submitted with an expiry gets its window again, counted from the
+        retry. Returns the job id, or None if nothing to retry.
         """
         with self.connections.engine.begin() as conn:
             entry = (
@@ -168,6 +169,11 @@ class DeadLetterQueue:
             budget = plan.max_attempts
             if job["dedup_key"]:
                 self._retake(conn, job, plan, entry_id)
+            window: dict[str, Any] = {}
+            if job["expires_at"] is not None and job["created_at"] is not None:
+                # The job's expiry window again, from the retry: else a retry past it expires at once.
+                seconds = max(0.0, (job["expires_at"] - job["created_at"]).total_seconds())
+                window["expires_at"] = db_now_plus(seconds)
             res = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == job["id"], jobs.c.status == s.DEAD, jobs.c.attempts == job["attempts"])
@@ -179,6 +185,7 @@ class DeadLetterQueue:
                     finished_at=None,
                     lease_owner=None,
                     updated_at=db_now(),
+                    **window,
                 )
             )
             if res.rowcount != 1:
@@ -198,6 +205,21 @@ class DeadLetterQueue:
                 self.deduper.forget(job["dedup_key"])
         self.recorder.republish_if_queued(job["id"])
         return str(job["id"])
+
+    def settle(self, conn: Any, job_id: str, *, by: str, outcome: str) -> int:
+        """Close the open entries of job ``job_id`` without running it again, in the
+        caller's transaction: someone settled its outcome by hand (``outcome``, e.g.
+        "delivered"). The job stays ``dead``; ``retried_by`` records who settled it and how.
+        Returns how many entries were closed."""
+        res = conn.execute(
+            update(dead_letters)
+            .where(dead_letters.c.job_id == job_id, dead_letters.c.retried_at.is_(None))
+            .values(retried_at=db_now(), retried_by=f"settled by {by}: {outcome}"[:200])
+        )
+        if res.rowcount:
+            body = {"by": by, "outcome": outcome}
+            self.store.emit(conn, [new_event(job_id, "job.dlq_settled", body)])
+        return int(res.rowcount or 0)
 
     def _retake(self, conn: Any, job: RowMapping, plan: _Rerun, entry_id: int) -> None:
         """Take the job's dedup id back, in the retry's transaction, by the decision a

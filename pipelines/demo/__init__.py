@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,12 +173,38 @@ def files_check(platform: Platform) -> list[tuple[str, bool, str]]:
     ]
 
 
+@contextmanager
+def peers() -> Iterator[dict[str, str]]:
+    """The local peers the families talk to (``demo_peers``): started before the demo's
+    worker, whose extra environment (yielded) names them."""
+    from config import HAS_EMAIL
+
+    if not HAS_EMAIL:
+        yield {}
+        return
+    from pipelines.email.demo import peers as email_peers
+
+    with email_peers() as env:
+        yield env
+
+
+def family_checks(platform: Platform) -> list[tuple[str, bool, str]]:
+    """Each installed family's own check, through the peers :func:`peers` started."""
+    from config import HAS_EMAIL
+
+    if not HAS_EMAIL:
+        return []
+    from pipelines.email.demo import check as email_check
+
+    return email_check(platform)
+
+
 def self_check(platform: Platform, console: Console, *, jobs: int = 300) -> bool:
     """Run the self-check end to end; print a report; True when every assertion holds."""
     started = time.monotonic()
     plan = submit_mix(platform, jobs=jobs)
     rows = wait_terminal(platform, plan.all(), console)
-    results = check(platform, plan, rows) + files_check(platform)
+    results = check(platform, plan, rows) + files_check(platform) + family_checks(platform)
     for what, ok, detail in results:
         console.print(f"{'[green]✓' if ok else '[red]✗'}[/] {what}  [dim]{detail}[/dim]")
     passed = all(ok for _, ok, _ in results)

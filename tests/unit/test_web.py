@@ -61,6 +61,10 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/batches/{batch_id}/seal", "post"),
         ("/batches/{batch_id}/cancel", "post"),
         ("/batches/{batch_id}/retry-failed", "post"),
+        # the email family's (pipelines.email.http)
+        ("/email/messages", "post"),
+        ("/email/messages/{outbox_id}", "get"),
+        ("/email/messages/{outbox_id}/resolve", "post"),
     }
     for path, _, op in operations:
         assert (op.get("security") == [{"bearer": []}]) == (path != "/health")
