@@ -19,8 +19,9 @@ import conveyor
 from conveyor.client import registry
 from conveyor.delivery.broker import MASKED
 from conveyor.store.db import schema as s
+from conveyor.store.db.dialect import db_now_plus
 from conveyor.upkeep.reconciler import TickReport
-from tests.helpers import job_row, module_stages
+from tests.helpers import database_now, dead_letter_for, job_row, module_stages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -128,3 +129,18 @@ def test_a_client_without_the_code_publishes_it_masked(
     finally:
         client.close()
     assert published[job.id] == MASKED
+
+
+def test_a_dlq_retry_gives_an_expiring_job_its_window_again(platform: Any, worker: Any) -> None:
+    """Last in this module: the tests above need no worker running."""
+    job = platform.submit("conveyor.demo.broken", {"n": 13}, expires_in=600)
+    assert job.wait(30) == s.DEAD
+    with platform.engine.begin() as conn:  # as if its window had passed while it lay dead
+        past = update(s.jobs).where(s.jobs.c.id == job.id)
+        conn.execute(past.values(expires_at=db_now_plus(-1), created_at=db_now_plus(-601)))
+    entry = dead_letter_for(platform, job.id)
+    assert platform.dlq.retry(entry["id"], by="test") == job.id
+    row = job_row(platform, job.id)
+    assert 590 <= (row["expires_at"] - database_now(platform)).total_seconds() <= 601
+    assert job.wait(30) == s.DEAD  # it ran again (and failed again), not expired
+    assert row["status"] != s.EXPIRED
