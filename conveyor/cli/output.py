@@ -404,14 +404,34 @@ def run_waiting(fn: Callable[[], int | None], *, wait: float | None, repeat: boo
         err.print(Text.assemble(("error: ", "red"), str(exc)), soft_wrap=True, highlight=False)
         return 2
     except Exception as exc:
-        if not _missing_table(exc):
+        message = settings_problem(exc)
+        if message is None and _missing_table(exc):
+            message = "the database has no Conveyor tables (or not all of them): run `conveyor db upgrade`"
+        if message is None:
             raise
-        message = "the database has no Conveyor tables (or not all of them): run `conveyor db upgrade`"
         err.print(Text.assemble(("error: ", "red"), message), soft_wrap=True, highlight=False)
         return 2
     finally:
         _active.remove(waiter)
         waiter.detach()
+
+
+def settings_problem(exc: BaseException) -> str | None:
+    """One line for settings that cannot be read (``CONVEYOR_*``): the setting and what is
+    wrong, never the value (it may be a password); None for any other error."""
+    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
+
+    if isinstance(exc, SettingsError):
+        return f"invalid settings: {exc} (CONVEYOR_* settings in JSON must be valid JSON)"
+    if not isinstance(exc, ValidationError) or not exc.title.endswith("Settings"):
+        return None
+    parts = []
+    for e in exc.errors(include_input=False, include_url=False, include_context=False):
+        loc = [str(p) for p in e["loc"]]
+        name = f"CONVEYOR_{loc[0].upper()}" if loc else "settings"
+        parts.append(f"{name}{(' ' + '.'.join(loc[1:])) if loc[1:] else ''}: {e['msg']}")
+    return "invalid settings: " + "; ".join(parts)
 
 
 def _missing_table(exc: Exception) -> bool:

@@ -111,6 +111,10 @@ class NewJob:
             run_at=run_at,
             options={s.IGNORE_RESULT: True},
         )
+        for name, seconds in (("delay", delay), ("expires_in", expires_in)):
+            if seconds is not None and seconds > MAX_SECONDS:
+                # Postgres would store it, and no reader could read that timestamp back.
+                raise ValueError(f"{name} must be at most {MAX_SECONDS} seconds (10 years)")
         if job_id is not None:
             job.id = checked_job_id(job_id)
         job.origin_task_id = job.id
@@ -123,6 +127,7 @@ class NewJob:
         return self.delay <= 0 and self.run_at is None
 
 
+MAX_SECONDS = 10 * 365 * 86400.0  # the longest delay or expiry a submit takes
 _JOB_ID = re.compile(rf"[A-Za-z0-9_.-]{{1,{s.JOB_ID_LENGTH}}}")
 
 

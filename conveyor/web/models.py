@@ -11,8 +11,9 @@ from conveyor.client.handle import JobEvent
 from conveyor.client.owners import callers_key
 from conveyor.store.claims import counted_attempts
 from conveyor.store.db.schema import Row
+from conveyor.store.jobs import MAX_SECONDS
 
-TEN_YEARS = 10 * 365 * 86400.0  # bounds on relative times (the database's intervals overflow far later)
+TEN_YEARS = MAX_SECONDS  # bounds on relative times: what a submit takes (conveyor.store.jobs)
 
 # Request bodies are strict (their JSON types are the document's: no `"priority": false`, no
 # `"dedup": 0`), but for date-times, which JSON carries as text: ISO 8601 text only, never a

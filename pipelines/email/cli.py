@@ -15,7 +15,7 @@ from typing import Any
 import typer
 
 from conveyor.cli.main import err, json_option, load_platform, run_command, wait_option
-from conveyor.cli.output import print_json, print_lines
+from conveyor.cli.output import print_json, print_lines, print_table
 
 # The family's modules are imported inside the commands: `conveyor --help` imports this
 # module to list the group.
@@ -40,23 +40,29 @@ def send(
     company: str = typer.Option(..., help="the company (tenant) id, a UUID"),
     to: str = typer.Option(..., help="the recipient's address"),
     subject: str = typer.Option(..., help="1-150 characters, one line"),
-    html_file: Path | None = typer.Option(None, exists=True, dir_okay=False, help="the HTML body, stored"),
-    html_ref: str | None = typer.Option(None, help="an email_html id already stored"),
+    html_file: Path | None = typer.Option(
+        None, exists=True, dir_okay=False, help="the HTML body (UTF-8), stored; or --html-ref"
+    ),
+    html_ref: str | None = typer.Option(None, help="an email_html id already stored; or --html-file"),
     outbox_id: str | None = typer.Option(None, help="the message's id (default: a new UUID)"),
     cc: list[str] = typer.Option([], help="a copy (up to 5)"),
     bcc: list[str] = typer.Option([], help="a blind copy (up to 5)"),
     reply_to: str | None = typer.Option(None, help="the Reply-To address"),
     header: list[str] = typer.Option([], help="'Name: value' (repeatable)"),
     tag: list[str] = typer.Option([], help="a tag (up to 5)"),
-    recipient_id: str | None = typer.Option(None, help="the recipient's id (a UUID)"),
+    recipient_id: str | None = typer.Option(None, help="the recipient's id, a UUID (or one of the next two)"),
     external_id: str | None = typer.Option(None, help="the recipient's id in your system"),
-    cpf_cnpj: str | None = typer.Option(None, help="the recipient's CPF/CNPJ digits, hashed before storing"),
+    cpf_cnpj: str | None = typer.Option(None, help="the recipient's CPF/CNPJ digits, hashed (HMAC) first"),
     priority: int = typer.Option(5, min=1, max=10, help="1 first ... 10 last"),
-    delay: float = typer.Option(0.0, min=0, help="seconds before it is sent"),
+    delay: float = typer.Option(0.0, min=0, max=86399, help="seconds before it is sent (under 24 h)"),
     as_json: bool = json_option(),
     wait: float = wait_option(),
 ) -> None:
-    """Send one message through the outbox (its job runs on a worker)."""
+    """Send one message through the outbox (its job runs on a worker).
+
+    Give one of --html-file or --html-ref, and at least one of --recipient-id,
+    --external-id or --cpf-cnpj. Prints the outbox id (the job's id).
+    """
     if (html_file is None) == (html_ref is None):
         raise typer.BadParameter("give one of --html-file or --html-ref")
     message_id = outbox_id or str(uuid.uuid4())  # one id, however often the body is run
@@ -87,10 +93,17 @@ def send(
                 "attempt": 1,
                 "enqueuedAt": dt.datetime.now(dt.UTC).isoformat(),
             }
-            html = html_file.read_text(encoding="utf-8") if html_file is not None else None
+            try:
+                html = html_file.read_text(encoding="utf-8") if html_file is not None else None
+            except UnicodeDecodeError:
+                err.print(f"--html-file {html_file}: not UTF-8 text", markup=False, soft_wrap=True)
+                return 1
             sent = send_email(platform, data, html=html, priority=priority, delay=delay)
         except (PayloadInvalid, IdempotencyConflict, ConfigurationError, ValueError) as exc:
-            err.print(str(exc), markup=False)
+            hint = ""
+            if "recipient: at least one" in str(exc):
+                hint = " (give --recipient-id, --external-id or --cpf-cnpj)"
+            err.print(f"{exc}{hint}", markup=False, soft_wrap=True)
             return 1
         if as_json:
             print_json(sent.as_dict())
@@ -135,16 +148,15 @@ def list_(
         from pipelines.email.messages import list_messages
 
         try:
-            rows = list_messages(load_platform(), status=status, limit=limit)
+            rows = list_messages(load_platform(), status=status.upper() if status else None, limit=limit)
         except ValueError as exc:
             err.print(str(exc), markup=False)
             return 1
         if as_json:
             print_json(rows)
         else:
-            print_lines(
-                f"{r['outbox_id']}  {r['status']:<8} {r['to']}  {r['last_error'] or ''}" for r in rows
-            )
+            columns = ("outbox_id", "status", "to", "attempts", "updated_at", "last_error")
+            print_table(columns, [[r[c] for c in columns] for r in rows], short={5: 60})
         return 0
 
     run_command(main, wait=wait, read_only=True)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from conveyor.errors import IdempotencyConflict
 from conveyor.platform import Platform
 from conveyor.web import tokens
 from conveyor.web.auth import Caller, Reader, Submitter, requires
@@ -39,7 +40,7 @@ class NewMessage(BaseModel):
 
     html: str | None = Field(None, max_length=HTML_MAX, description="the HTML body (else htmlRef)")
     priority: int = Field(5, ge=1, le=10, description="the seed's: 1 first ... 10 last")
-    delay: float = Field(0.0, ge=0, le=86400, description="seconds before it is sent")
+    delay: float = Field(0.0, ge=0, lt=86400, description="seconds before it is sent (under its 24 h expiry)")
 
 
 class SentMessage(BaseModel):
@@ -85,15 +86,27 @@ def _platform() -> Platform:
     return platform
 
 
+def _owner_of(platform: Platform, job_id: str) -> str | None:
+    try:
+        owner = platform.job(job_id).row()["owner"]
+    except LookupError:
+        return None
+    return None if owner is None else str(owner)
+
+
+def _another_owners() -> Problem:
+    # Neither the message's existence nor its state is another owner's to learn.
+    return Problem(
+        409,
+        "duplicate-of-another-owner",
+        "Conflict",
+        "this outboxId belongs to another owner's message; nothing was recorded",
+    )
+
+
 def _visible(platform: Platform, caller: Caller, outbox_id: str) -> dict[str, Any]:
     row = show_message(platform, outbox_id) if _PLAIN_ID.fullmatch(outbox_id) else None
-    owner = None
-    if row is not None:
-        try:
-            owner = platform.job(outbox_id).row()["owner"]
-        except LookupError:
-            owner = None
-    if row is None or not caller.sees(owner):
+    if row is None or not caller.sees(_owner_of(platform, outbox_id)):
         raise Problem(404, "not-found", "Not Found", "no such message")
     return row
 
@@ -112,9 +125,17 @@ def _visible(platform: Platform, caller: Caller, outbox_id: str) -> dict[str, An
 def send(request: Request, response: Response, caller: Submitter, body: NewMessage) -> SentMessage:
     """Record the message and its job for the caller's owner."""
     data = dict(body.model_extra or {})
-    sent = send_email(
-        _platform(), data, html=body.html, priority=body.priority, delay=body.delay, owner=caller.owner
-    )
+    platform = _platform()
+    try:
+        sent = send_email(
+            platform, data, html=body.html, priority=body.priority, delay=body.delay, owner=caller.owner
+        )
+    except IdempotencyConflict as exc:
+        if not caller.sees(_owner_of(platform, exc.job_id)):
+            raise _another_owners() from None
+        raise
+    if sent.deduplicated and not caller.sees(_owner_of(platform, sent.job_id)):
+        raise _another_owners()
     response.headers["Location"] = f"{request.scope.get('root_path', '')}/email/messages/{sent.outbox_id}"
     if sent.deduplicated:
         response.status_code = 200

@@ -38,6 +38,8 @@ from tasks.email.privacy import mask_addresses_in, mask_email
 from tasks.email.settings import EmailSettings
 from tasks.email.stages import message_id
 
+MAX_HTML = 1_000_000  # characters of one message's HTML
+
 
 @dataclass(frozen=True)
 class Sent:
@@ -77,6 +79,10 @@ def send_email(
     :class:`conveyor.IdempotencyConflict`.
     """
     payload = data.model_dump(mode="json") if isinstance(data, BaseModel) else dict(data)
+    if html is not None and not html.strip():
+        raise PayloadInvalid(f"invalid payload for {STAGE}: html: empty (a message needs a body)")
+    if html is not None and len(html) > MAX_HTML:
+        raise PayloadInvalid(f"invalid payload for {STAGE}: html: over {MAX_HTML} characters")
     if html is not None:
         ref = html_ref_for(html)
         if payload.get("htmlRef") not in (None, "", ref):
@@ -88,6 +94,11 @@ def send_email(
         seed_priority = conveyor_priority(priority)
     except ValueError as exc:
         raise PayloadInvalid(f"invalid options for {STAGE}: priority: {exc}") from None
+    if not 0 <= delay < DEFAULT_TTL_S:
+        raise PayloadInvalid(
+            f"invalid options for {STAGE}: delay: at most {DEFAULT_TTL_S - 1} s (a message expires "
+            f"{DEFAULT_TTL_S // 3600} h after it is recorded: a longer delay would never send it)"
+        )
     settings = _email_settings(platform)
     row = outbox.new_row(model, message_id(model.outboxId, settings))
     schema = platform.settings.db_schema
@@ -100,6 +111,8 @@ def send_email(
         if html is not None:
             stored = {"id": model.htmlRef, "html": html, "created_at": db_now()}
             conn.execute(upsert(conn, t.html).values(**stored).on_conflict_do_nothing())
+        elif conn.execute(select(t.html.c.id).where(t.html.c.id == model.htmlRef)).first() is None:
+            raise PayloadInvalid(f"invalid payload for {STAGE}: htmlRef: names no stored HTML (email_html)")
         if found is None:
             conn.execute(upsert(conn, t.outbox).values(**row).on_conflict_do_nothing())
             raced = _existing(conn, model.outboxId)

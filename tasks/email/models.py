@@ -94,6 +94,16 @@ def check_address(value: str) -> str:
     return str(result.normalized)
 
 
+def wire_address(value: str) -> str:
+    """``value`` as it goes on the wire: its ASCII form (the domain in IDNA) when its local
+    part is ASCII, so a server without SMTPUTF8 takes it; else as written."""
+    try:
+        result = validate_email(value, check_deliverability=False, test_environment=ALLOW_TEST_DOMAINS)
+    except EmailNotValidError:
+        return value
+    return str(result.ascii_email or value)
+
+
 def _address(value: str) -> str:
     check_address(value)
     return value  # the producer's spelling travels on; only its validity is checked here
@@ -153,7 +163,10 @@ class EmailSendJobData(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    outboxId: str
+    # Lower case: the outboxId is the job's id, and an id spelled two ways would be two jobs.
+    # The pattern is the JSON Schema's (a client submitting by name checks it); here the
+    # validators below say what is wrong in words.
+    outboxId: str = Field(json_schema_extra={"pattern": "^[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$"})
     companyId: str
     requestId: str = Field(min_length=1, max_length=200)
     to: str
@@ -167,6 +180,13 @@ class EmailSendJobData(BaseModel):
     recipient: Recipient
     attempt: int = Field(default=1, ge=1, le=MAX_ATTEMPTS)
     enqueuedAt: str
+
+    @field_validator("outboxId", mode="before")
+    @classmethod
+    def _outbox_id(cls, value: Any) -> Any:
+        if isinstance(value, str) and _UUID.fullmatch(value) and value != value.lower():
+            raise PydanticCustomError("uuid_case", "a UUID in lower case (it is the job's id)")
+        return value
 
     @field_validator("outboxId", "companyId")
     @classmethod

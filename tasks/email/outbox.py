@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -72,9 +73,25 @@ def move(
     return bool(res.rowcount)
 
 
+def count_attempt(conn: Connection, outbox_id: str, attempt: int) -> None:
+    """Record that the job's counted attempt ``attempt`` is trying to send the message."""
+    conn.execute(
+        update(t.outbox).where(t.outbox.c.id == outbox_id).values(attempts=attempt, updated_at=db_now())
+    )
+
+
+# Our Message-IDs (<outboxId@domain>) are no address: kept whole, to be searched for.
+_MESSAGE_ID = re.compile(r"<[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}@[^<>\s]+>")
+
+
 def error_text(exc: BaseException) -> str:
-    """An error as the outbox keeps it: no address in it."""
-    return mask_addresses_in(describe(exc))[:2000]
+    """An error as the outbox keeps it: no address in it (our Message-IDs stay whole)."""
+    text = describe(exc)
+    kept = _MESSAGE_ID.findall(text)
+    masked = mask_addresses_in(_MESSAGE_ID.sub("\x00", text))
+    for mid in kept:
+        masked = masked.replace("\x00", mid, 1)
+    return masked[:2000]
 
 
 # -- the platform's hooks ---------------------------------------------------------------

@@ -75,7 +75,7 @@ class EmailSettings(BaseModel):
     retry_delays: list[float] = Field(default_factory=lambda: [1.0, 5.0, 30.0, 120.0, 600.0])
     max_attempts: int = Field(default=5, ge=1)
     on_unknown: Literal["hold", "resend"] = "hold"
-    pii_key: SecretStr | None = None
+    pii_key: SecretStr | None = Field(default=None, min_length=16)  # an HMAC key: 16+ characters
     message_id_domain: str | None = None
     # Accept special-use domains (``.test``, ``.local``) in addresses: for tests and the demo,
     # whose addresses can never reach a mailbox. Off: such an address is refused at submit.

@@ -32,7 +32,14 @@ from conveyor.store.db.engine import reading
 from conveyor.store.db.schema import jobs
 from tasks.email import outbox
 from tasks.email import tables as t
-from tasks.email.errors import DeliveryUncertain, DeliveryUnknown, HtmlNotFound
+from tasks.email.errors import (
+    DeliveryUncertain,
+    DeliveryUnknown,
+    EmailRejected,
+    HtmlNotFound,
+    ProviderRefused,
+    ProviderUnavailable,
+)
 from tasks.email.models import (
     IDEMPOTENCY_IGNORE,
     QUEUE,
@@ -40,6 +47,7 @@ from tasks.email.models import (
     EmailSendJobData,
     EmailSendJobResult,
     allow_test_domains,
+    wire_address,
 )
 from tasks.email.privacy import mask_email, masked, short_hash
 from tasks.email.providers import Delivery, OutgoingEmail, Provider, provider_from
@@ -101,6 +109,8 @@ def send_message(ctx: JobContext, p: EmailSendJobData, settings: EmailSettings) 
     )
     with ctx.fenced() as conn:
         row = outbox.locked(conn, p, mid)
+        if row["status"] != t.SENT:
+            outbox.count_attempt(conn, p.outboxId, counted)
     if row["status"] == t.SENT:
         return _result("ALREADY_SENT", row["provider_message_id"], mid, 0, counted, row["refused"] or [])
     if row["status"] in (t.SENDING, t.UNKNOWN) and not _may_resend(provider, settings):
@@ -113,38 +123,51 @@ def send_message(ctx: JobContext, p: EmailSendJobData, settings: EmailSettings) 
         outbox_id=p.outboxId,
         message_id=mid,
         from_address=settings.from_address,
-        to=p.to,
-        cc=tuple(p.cc),
-        bcc=tuple(p.bcc),
-        reply_to=p.replyTo,
+        to=wire_address(p.to),
+        cc=tuple(wire_address(a) for a in p.cc),
+        bcc=tuple(wire_address(a) for a in p.bcc),
+        reply_to=wire_address(p.replyTo) if p.replyTo else None,
         subject=p.subject,
         html=html,
         headers=dict(p.headers),
         tags=tuple(p.tags),
     )
 
+    committed = False
+
     def point_of_no_return() -> None:
+        nonlocal committed
         with ctx.fenced() as conn:
             outbox.move(conn, p.outboxId, t.SENDING, provider=provider.name, attempts=counted)
+        committed = True
 
     started = time.monotonic()
     try:
         delivery = provider.send(email, before_commit_point=point_of_no_return)
     except LeaseLost:
         raise
-    except DeliveryUncertain as exc:
-        FAILED_TOTAL.labels(provider=provider.name, reason="uncertain").inc()
-        with ctx.fenced() as conn:
-            outbox.move(conn, p.outboxId, t.SENDING, last_error=outbox.error_text(exc))
-        if not _may_resend(provider, settings):
-            raise DeliveryUnknown(mid) from exc
-        raise
     except Exception as exc:
-        FAILED_TOTAL.labels(provider=provider.name, reason=type(exc).__name__).inc()
-        # Nothing went out (or the server said so): this attempt's own transaction puts the
-        # row back, whatever the platform decides next (a retry, the DLQ).
+        # A reply code says what happened; anything else past the point of no return (a lost
+        # reply, a soft time limit, a crash of ours mid-DATA) may have sent it.
+        answered = isinstance(exc, (ProviderUnavailable, ProviderRefused, EmailRejected))
+        uncertain = isinstance(exc, DeliveryUncertain) or (committed and not answered)
+        FAILED_TOTAL.labels(
+            provider=provider.name, reason="uncertain" if uncertain else type(exc).__name__
+        ).inc()
+        error = outbox.error_text(exc)
+        ctx.log.warning(
+            "email not sent",
+            outbox_id=p.outboxId,
+            reason=type(exc).__name__,
+            uncertain=uncertain,
+            error=error,
+        )
         with ctx.fenced() as conn:
-            outbox.move(conn, p.outboxId, t.PENDING, last_error=outbox.error_text(exc))
+            # Nothing went out, or the server said so: this attempt's own transaction puts the
+            # row back, whatever the platform decides next (a retry, the DLQ).
+            outbox.move(conn, p.outboxId, t.SENDING if uncertain else t.PENDING, last_error=error)
+        if uncertain and not _may_resend(provider, settings):
+            raise DeliveryUnknown(mid) from exc
         raise
     seconds = time.monotonic() - started
     SEND_SECONDS.observe(seconds)

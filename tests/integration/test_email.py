@@ -142,9 +142,12 @@ def test_a_provider_down_is_retried_then_dead_lettered_and_never_left_sending(
 
 
 def test_missing_html_is_permanent(platform: Any, worker: Any, smtp: SmtpPeer, tag: str) -> None:
+    from tasks.email.models import html_ref_for
+
     with email_settings(platform, **smtp_at(smtp.port)):
-        data = message(tag, htmlRef="f" * 64)
-        outbox_id = send_email(platform, data).outbox_id
+        outbox_id = send_email(platform, message(tag), html=HTML + tag, delay=1).outbox_id
+        with platform.engine.begin() as conn:  # gone before the job runs (a producer's cleanup)
+            conn.execute(t.html.delete().where(t.html.c.id == html_ref_for(HTML + tag)))
         assert platform.job(outbox_id).wait(30) == s.DEAD
     assert dead_letter_for(platform, outbox_id)["error_type"] == "HtmlNotFound"
     assert outbox_row(platform, outbox_id)["status"] == t.FAILED and smtp.count == 0
@@ -241,3 +244,31 @@ def test_show_masks_addresses(platform: Any, worker: Any, smtp: SmtpPeer, tag: s
     shown = show_message(platform, outbox_id)
     assert shown is not None and shown["to"] == "c***@e***.test" and shown["status"] == t.SENT
     assert tag not in repr(shown)
+
+
+@pytest.mark.parametrize(
+    ("changes", "options", "field"),
+    [
+        ({"outboxId": "ABCDEF00-0000-4000-8000-00000000000A"}, {}, "outboxId"),  # two spellings, two jobs
+        ({"htmlRef": "f" * 64}, {"html": None}, "htmlRef"),  # names nothing stored
+        ({}, {"html": "   "}, "html"),
+        ({}, {"delay": 86400}, "delay"),  # it would expire before it is due
+    ],
+)
+def test_send_email_refuses_what_could_never_be_sent_right(
+    platform: Any, smtp: SmtpPeer, tag: str, changes: dict[str, Any], options: dict[str, Any], field: str
+) -> None:
+    data = message(tag, **changes)
+    with email_settings(platform, **smtp_at(smtp.port)), pytest.raises(PayloadInvalid, match=field):
+        send_email(platform, data, **{"html": HTML, **options})
+    assert outbox_row(platform, data["outboxId"]) is None and job_row(platform, data["outboxId"]) is None
+
+
+def test_an_international_domain_goes_out_in_ascii(
+    platform: Any, worker: Any, smtp: SmtpPeer, tag: str
+) -> None:
+    to = f"jose.{tag}@exämple.test"
+    with email_settings(platform, **smtp_at(smtp.port)):
+        outbox_id = _sent(platform, tag, to=to, recipient={"externalId": tag, "email": to})
+        assert platform.job(outbox_id).wait(30) == s.SUCCEEDED
+    assert smtp.wait_for(1)[0].rcpt_tos == (f"jose.{tag}@xn--exmple-cua.test",)

@@ -139,6 +139,12 @@ def test_http_send_show_and_resolve(platform: Any, worker: Any, http: TestClient
         )
         assert "to" in bad["detail"] and tag not in json.dumps(bad)
         assert platform.job(outbox_id).wait(30) == s.DEAD  # the reply was lost: held UNKNOWN
+    sender = tokens.create(platform.engine, owner=f"other-{tag}", scopes=["submit"]).secret
+    for body in ({**data, "html": HTML}, {**data, "html": HTML + "?"}):  # same message, or another
+        hidden = problem(http.post("/email/messages", json=body, headers=auth(sender)), 409)
+        assert hidden["type"].endswith("duplicate-of-another-owner") and "status" not in hidden.get(
+            "detail", ""
+        )
     shown = http.get(f"/email/messages/{outbox_id}", headers=auth(submit))
     assert shown.status_code == 200 and shown.json()["status"] == t.UNKNOWN and tag not in shown.text
     problem(http.get(f"/email/messages/{outbox_id}", headers=auth(stranger)), 404)

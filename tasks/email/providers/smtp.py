@@ -147,6 +147,9 @@ def _classify(exc: BaseException, *, committed: bool) -> Exception | None:
         code = exc.smtp_code
         return _by_code(code, f"the SMTP server {what} ({code}{enhanced_status(exc.smtp_error)})")
     if isinstance(exc, smtplib.SMTPServerDisconnected):
+        # smtplib reports a read that timed out as a disconnection ("...closed: timed out").
+        if "timed out" in str(exc):
+            return _lost(committed, "the SMTP server did not answer in time")
         return _lost(committed, "the SMTP server closed the connection")
     if isinstance(exc, smtplib.SMTPNotSupportedError):
         return ProviderRefused("the SMTP server does not support a command we need (AUTH or SMTPUTF8)")
