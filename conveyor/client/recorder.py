@@ -17,6 +17,7 @@ from conveyor.client.followers import Followers
 from conveyor.dedup import PLAN_OPTION, Dedup, DedupPlan, Reuse
 from conveyor.delivery.amqp import Unroutable
 from conveyor.delivery.connections import Connections
+from conveyor.delivery.ratelimit import TokenBuckets
 from conveyor.metrics import Metrics
 from conveyor.stage import StageSpec, checked_payload
 from conveyor.store.db import schema as s
@@ -46,6 +47,8 @@ class Recorder:
         self.deduper = deduper
         self.followers = followers
         self.metrics = metrics
+        prefix = connections.settings.key_prefix
+        self.buckets = TokenBuckets(lambda: connections.fast.client(), key_prefix=prefix)
 
     def payload_of(self, spec: StageSpec, model: BaseModel) -> dict[str, Any]:
         """``model`` as stored, within the ``max_payload_bytes`` limit (else PayloadTooLarge)."""
@@ -153,6 +156,20 @@ class Recorder:
 
     # -- publishing -----------------------------------------------------------------------
 
+    def _held_back(self, new: NewJob) -> bool:
+        """A fresh job of a rate-limited queue takes its token now, or reserves its own token
+        time and waits for it parked ``throttled`` (the relay publishes it then): delivered
+        once, never to be parked by the worker and delivered again. True when held back."""
+        rate = self.connections.settings.rate_limits.get(new.queue)
+        if rate is None:
+            return False
+        wait = self.buckets.take(new.queue, rate, new.id, hold=True)
+        if wait <= 0:
+            return False
+        body = {"stage": new.stage, "queue": new.queue, "reason": "rate", "at": "publish"}
+        with self.connections.engine.begin() as conn:
+            return self.store.throttle(conn, new.id, wait=wait, body=body)
+
     def publish_new(self, new: NewJob, *, fast: bool = False) -> None:
         """Publish a freshly committed job. On failure the relay will publish it. With
         ``fast`` (a submit), Redis gets one short try (:class:`conveyor.delivery.fastpath.FastPath`)."""
@@ -160,6 +177,8 @@ class Recorder:
         try:
             if fast and connections.fast.down:
                 raise ConnectionError("Redis did not answer a moment ago")
+            if self._held_back(new):
+                return
             connections.broker.publish(
                 stage=new.stage,
                 job_id=new.id,

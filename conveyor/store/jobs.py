@@ -321,6 +321,9 @@ class JobStore(Claims):
         """
         task_id = str(uuid.uuid4())
         cas = [jobs.c.id == job["id"], jobs.c.status.in_(s.CLAIMABLE), jobs.c.attempts == job["attempts"]]
+        # Still due: a job parked since it was read (its submitter held it back until its
+        # token time) must not be published now, to be dropped by a claim that finds it early.
+        cas.append(jobs.c.run_at <= db_now())
         if job.get("published_at") is None:
             cas.append(jobs.c.published_at.is_(None))
         values = {"celery_task_id": task_id, "broker_epoch": epoch, "published_at": db_now()}

@@ -24,44 +24,8 @@ from typing import Any
 from redis import Redis
 from redis.commands.core import Script
 
+from conveyor.delivery.ratelimit import TokenBuckets
 from conveyor.settings import RateLimit
-
-# A token bucket per queue whose level may go below zero: each refused job reserves the
-# next token time (KEYS[2], scores in ms). Returns the seconds to wait (0: admitted, on a
-# fresh token or on the job's due reservation).
-_TAKE_TOKEN = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-local now_ms = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
-local rate, burst, job, grace_ms = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. string.format('%.3f', now_ms - grace_ms))
-local due = tonumber(redis.call('ZSCORE', KEYS[2], job))
-if due then
-  if due <= now_ms then
-    redis.call('ZREM', KEYS[2], job)
-    return '0'
-  end
-  return tostring((due - now_ms) / 1000)
-end
-local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens, ts = tonumber(b[1]) or burst, tonumber(b[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
-local wait = 0
-if tokens < 1 then wait = (1 - tokens) / rate end
-tokens = tokens - 1
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', string.format('%.6f', now))
-redis.call('PEXPIRE', KEYS[1], math.ceil((burst - tokens) / rate * 1000) + 1000)
-if wait == 0 then return '0' end
-due = math.ceil(now_ms + wait * 1000)
-redis.call('ZADD', KEYS[2], string.format('%d', due), job)
-local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')
-redis.call('PEXPIRE', KEYS[2], math.ceil(tonumber(last[2]) - now_ms + grace_ms))
-return tostring((due - now_ms) / 1000)
-"""
-
-# Reservations whose job has not come back this long after their due time (cancelled,
-# finished elsewhere, parked for longer) are dropped; the token they took is not returned.
-_RESERVATION_GRACE_MS = 300_000
 
 # A counting semaphore per stage: members expire unless renewed (a killed worker's slot
 # comes back after the TTL). Returns 1 if ``member`` holds a slot.
@@ -106,6 +70,7 @@ class Admission:
         self.slot_ttl_ms = max(1000, int(slot_ttl * 1000))
         self.busy_wait = busy_wait
         self._scripts: dict[str, Script] = {}
+        self.buckets = TokenBuckets(redis, key_prefix=key_prefix)
 
     def _run(self, source: str, keys: list[str], *args: float | str) -> Any:
         r = self._redis()
@@ -133,10 +98,7 @@ class Admission:
             if not int(took):
                 return Verdict(wait=self.busy_wait, reason="concurrency")
         if rate is not None:
-            burst = rate.burst or max(1.0, rate.rate)
-            bucket = f"{self.key_prefix}rate:{queue}"
-            keys = [bucket, f"{bucket}:held"]
-            wait = float(self._run(_TAKE_TOKEN, keys, rate.rate, burst, job_id, _RESERVATION_GRACE_MS))
+            wait = self.buckets.take(queue, rate, job_id)
             if wait > 0:
                 if slot is not None:
                     self.release(slot)

@@ -10,6 +10,9 @@ from typing import Any
 import pytest
 
 from conveyor.worker.admission import Admission, RateLimit, Verdict
+from tests.helpers import job_row
+
+N_BURST = 40  # at 10/s: 4 s of held-back jobs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,3 +136,24 @@ def test_a_job_bouncing_off_the_concurrency_cap_keeps_a_single_reservation(platf
     admitted = take("a")
     assert admitted.reason is None and admitted.slot is not None
     assert _held(platform, tag) == {}
+
+
+def test_a_burst_over_the_limit_is_held_back_at_publish_and_delivered_once(
+    platform: Any, worker: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The submitter reserves each job's token time and parks the job until then: the worker
+    never receives a job it must park and receive again (deliveries per job: 1)."""
+    from conveyor.worker.admission import RateLimit
+
+    monkeypatch.setitem(platform.settings.rate_limits, "demo", RateLimit(rate=10, burst=1))
+    platform.redis.delete(
+        f"{platform.settings.key_prefix}rate:demo", f"{platform.settings.key_prefix}rate:demo:held"
+    )
+    handles = [platform.submit("conveyor.demo.square", {"n": i}) for i in range(N_BURST)]
+    assert [h.wait(60) for h in handles] == ["succeeded"] * N_BURST
+    parked = [[e.body for e in h.events()[0] if e.topic == "job.rate_limited"] for h in handles]
+    at_claim = [p for ps in parked for p in ps if p.get("at") != "publish"]
+    assert len(at_claim) <= 2, at_claim  # a reservation's edge, at most
+    assert sum(1 for ps in parked if ps) >= 15  # held back at publish, each once
+    starts = sorted(job_row(platform, h.id)["started_at"] for h in handles)
+    assert (starts[-1] - starts[0]).total_seconds() >= 1.5  # 20 at 10/s: the limit held
