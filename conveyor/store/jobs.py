@@ -135,9 +135,7 @@ def checked_job_id(job_id: str) -> str:
     """``job_id`` if it can be a job's id (1-36 letters, digits and ``-_.``, a UUID's
     text fits), else :class:`JobIdInvalid` (which never quotes it)."""
     if not isinstance(job_id, str) or not _JOB_ID.fullmatch(job_id):
-        raise JobIdInvalid(
-            f"job_id must be 1-{s.JOB_ID_LENGTH} letters, digits and '-_.' (a UUID fits)"
-        )
+        raise JobIdInvalid(f"job_id must be 1-{s.JOB_ID_LENGTH} letters, digits and '-_.' (a UUID fits)")
     return job_id
 
 
