@@ -63,15 +63,13 @@ seed's BullMQ limiter, ``max: 100`` per 1000 ms, its configuration, not a measur
 ``deliveries_per_send``, ``deliveries_per_send_goal`` (``<=1.2``), ``n``, ``runs``,
 ``concurrency``; with ``--no-limited`` the limited figures print ``skipped``.
 
-Importing this module is cheap and reads no settings, except in a worker process started
-by the bench (``celery -A bench.email:raw_app``), where ``CONVEYOR_REDIS_URL`` is set and
-:data:`raw_app` configures itself from the environment exactly like ``config.celery_app``.
+The message, the raw side (its Celery app, started as ``celery -A bench.email_parts:raw_app``)
+and the rate arithmetic are in :mod:`bench.email_parts`.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import shutil
@@ -80,15 +78,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from celery import Celery
 from celery.result import AsyncResult
-from kombu.entity import Exchange, Queue
 from sqlalchemy import func, select
 
 from bench.common import (
@@ -104,24 +98,30 @@ from bench.common import (
     prepare,
     wait_drained,
 )
-from config.settings import Settings
-from conveyor.delivery.celeryconfig import celery_config
+from bench.email_parts import (
+    HTML,
+    RAW_APP,
+    RAW_QUEUE,
+    SUBJECT,
+    configure_raw_app,
+    email_env,
+    fan_out,
+    payload,
+    raw_app,
+    raw_send,
+    steady_rate,
+)
 from tasks.email import tables as t
-from tasks.email.providers import OutgoingEmail
-from tasks.email.providers.smtp import SmtpProvider
 
 if TYPE_CHECKING:
     from redis import Redis
 
     from conveyor.platform import Platform
-    from conveyor.settings import ConveyorSettings
     from pipelines.email.peers import SmtpPeer
 
 T = TypeVar("T")
 QUEUE = "email"  # config/queues.py
-RAW_QUEUE = "email_raw"
 QUEUES = (QUEUE, RAW_QUEUE)
-RAW_APP = "bench.email:raw_app"
 REDIS_DB = 15
 DATABASE = "conveyor_bench_email"
 DEFAULT_N = 10_000
@@ -129,8 +129,6 @@ SMOKE_N = 100
 DEFAULT_CONCURRENCY = 10  # the seed's worker concurrency
 DEFAULT_SUBMITTERS = 4
 IDLE_PAUSE = 0.5
-FROM_ADDRESS = "avisos@conveyor.test"
-SUBJECT = "Seu boleto está disponível"
 LIMIT_RATE = 100.0
 # (warm-up, window, slack) in seconds: the limited run sends rate x their sum messages.
 LIMITED = (5.0, 30.0, 5.0)
@@ -139,85 +137,6 @@ SAMPLE_INTERVAL = 0.1
 SEED_RATE, RATE_TOLERANCE, DELIVERIES_GOAL = 100, 5, 1.2
 # Passed to both workers after ``--`` (Celery's command-line config, namespace ``worker``).
 NO_RATE_LIMITS = ("--", "worker_disable_rate_limits=true")
-
-HTML = (
-    "<!doctype html><html><head><meta charset='utf-8'><title>Seu boleto</title></head><body>"
-    "<table width='600' style='font-family:Arial,sans-serif'><tr><td>"
-    "<h1 style='color:#1a4d8f'>Seu boleto está disponível</h1>"
-    "<p>Olá, o boleto referente à sua fatura deste mês já pode ser pago. "
-    "Use o código de barras abaixo no aplicativo do seu banco ou em qualquer agência.</p><table>"
-    + "".join(
-        f"<tr><td style='padding:4px'>Item {i}: serviço mensal, parcela {i} de 12</td>"
-        f"<td style='text-align:right'>R$ {100 + 7 * i},{i:02d}</td></tr>"
-        for i in range(1, 13)
-    )
-    + "</table><p style='font-size:12px;color:#777'>Esta é uma mensagem automática; não responda.</p>"
-    "</td></tr></table></body></html>"
-)
-
-
-def email_env(port: int) -> str:
-    """``CONVEYOR_EMAIL`` for a worker sending to the peer on ``port`` (both sides)."""
-    return json.dumps(
-        {"smtp": {"port": port, "timeout": 10}, "from_address": FROM_ADDRESS, "allow_test_domains": True}
-    )
-
-
-def payload(company: str, index: int) -> dict[str, Any]:
-    """A valid ``EmailSendJobData`` payload (its own outboxId), as tests/integration/email_support."""
-    to = f"cliente.{index}@empresa.test"
-    return {
-        "outboxId": str(uuid.uuid4()),
-        "companyId": company,
-        "requestId": f"bench-{index}",
-        "to": to,
-        "subject": SUBJECT,
-        "htmlRef": "",
-        "recipient": {"externalId": f"CUST-{index}", "nome": "Cliente", "email": to},
-        "attempt": 1,
-        "enqueuedAt": dt.datetime.now(dt.UTC).isoformat(),
-    }
-
-
-# -- the raw side: a plain Celery app and task, nothing from Conveyor's runtime ------------
-
-raw_app = Celery("conveyor_bench_email_raw")
-RAW_EXCHANGE = Exchange("conveyor_bench_email_raw", type="direct")  # type: ignore[no-untyped-call]
-RAW_QUEUES = [Queue(RAW_QUEUE, RAW_EXCHANGE, routing_key=RAW_QUEUE)]  # type: ignore[no-untyped-call]
-
-
-def configure_raw_app(settings: ConveyorSettings) -> None:
-    """Give :data:`raw_app` the Celery config the deployment's app gets, on its own queue."""
-    raw_app.conf.update(celery_config(settings, queues=RAW_QUEUES, default_queue=RAW_QUEUE))
-
-
-@cache
-def raw_provider() -> tuple[SmtpProvider, str, str]:
-    """This process's client, sender and Message-ID domain, from ``CONVEYOR_EMAIL``."""
-    email = Settings().email
-    return SmtpProvider(email.smtp), email.from_address, email.id_domain
-
-
-@raw_app.task(name="bench.raw.email.send", queue=RAW_QUEUE)  # type: ignore[untyped-decorator]
-def raw_send(outbox_id: str, to: str, subject: str, html: str) -> str:
-    """Send one message with the stage's client; the raw counterpart of ``conveyor.email.send``."""
-    provider, sender, domain = raw_provider()
-    message = OutgoingEmail(
-        outbox_id=outbox_id,
-        message_id=f"<{outbox_id}@{domain}>",
-        from_address=sender,
-        to=to,
-        subject=subject,
-        html=html,
-    )
-    return provider.send(message, before_commit_point=lambda: None).provider_message_id
-
-
-if os.environ.get("CONVEYOR_REDIS_URL"):
-    # A worker process: same environment as the tracked worker. A fresh Settings(): in the
-    # bench process this runs at import, before main() sets the environment.
-    configure_raw_app(Settings())
-
 
 # -- measurements ------------------------------------------------------------------------
 
@@ -514,43 +433,6 @@ class Bench:
         p95 = statistics.median(x.p95_ms for x in self.results if x.result.side == "tracked")
         log(f"medians: tracked {tracked:.2f}s, raw {raw:.2f}s")
         return self.n / tracked, self.n / raw, p95
-
-
-def fan_out(threads: int, count: int, fn: Callable[[int], T]) -> list[T]:
-    """``[fn(i) for i in range(count)]`` spread over ``threads`` threads (as bench/throughput.py),
-    like a web app's request threads; both sides submit this way."""
-    if threads <= 1:
-        return [fn(i) for i in range(count)]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return list(pool.map(fn, range(count), chunksize=max(1, count // (threads * 4))))
-
-
-def steady_rate(
-    samples: Sequence[tuple[float, int]], n: int, warmup: float, window: float
-) -> tuple[float, float]:
-    """Deliveries per second over ``window`` seconds from ``warmup`` after the first delivery.
-
-    The window ends earlier if every message was delivered before it closed (the rate is
-    then over the shorter span, which :class:`Limited` reports).
-    """
-    first = next((ts for ts, count in samples if count > 0), None)
-    if first is None:
-        raise BenchError("limited: no delivery sampled")
-    done = next((ts for ts, count in samples if count >= n), samples[-1][0])
-    begin = first + warmup
-    end = min(begin + window, done)
-    if end - begin < 1.0:
-        raise BenchError(f"limited: the run drained {done - first:.1f}s after its first delivery, too soon")
-    return (count_at(samples, end) - count_at(samples, begin)) / (end - begin), end - begin
-
-
-def count_at(samples: Sequence[tuple[float, int]], when: float) -> float:
-    """The peer's count at ``when``, interpolated between the samples around it."""
-    before = max((s for s in samples if s[0] <= when), default=samples[0])
-    after = min((s for s in samples if s[0] >= when), default=samples[-1])
-    if after[0] == before[0]:
-        return float(before[1])
-    return before[1] + (after[1] - before[1]) * (when - before[0]) / (after[0] - before[0])
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -73,13 +73,6 @@ def move(
     return bool(res.rowcount)
 
 
-def count_attempt(conn: Connection, outbox_id: str, attempt: int) -> None:
-    """Record that the job's counted attempt ``attempt`` is trying to send the message."""
-    conn.execute(
-        update(t.outbox).where(t.outbox.c.id == outbox_id).values(attempts=attempt, updated_at=db_now())
-    )
-
-
 # Our Message-IDs (<outboxId@domain>) are no address: kept whole, to be searched for.
 _MESSAGE_ID = re.compile(r"<[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}@[^<>\s]+>")
 

@@ -95,11 +95,26 @@ def _kwargsrepr(payload: Any) -> str:
 # -- the stage --------------------------------------------------------------------------
 
 
+class _AlreadySent(Exception):
+    """The row turned ``SENT`` before this attempt's point of no return (an operator's
+    ``resolve --delivered``): nothing is sent."""
+
+
 def send_message(ctx: JobContext, p: EmailSendJobData, settings: EmailSettings) -> dict[str, Any]:
-    """The body, on the settings given (the stage passes the deployment's)."""
+    """The body, on the settings given (the stage passes the deployment's).
+
+    One read (the outbox row, the counted attempt, the HTML) and one fenced write before the
+    send (the row made if a by-name producer left it to us, ``SENDING``): a failure before
+    the point of no return writes its own fenced transaction.
+    """
     provider = _provider(settings)
     mid = message_id(p.outboxId, settings)
-    counted = _counted_attempt(ctx)
+    # Not on ctx.connection: on SQLite its transaction holds the one writer until the
+    # completion, and the fenced writes below would wait for it.
+    with reading(ctx.services.connections.engine) as conn:
+        row = conn.execute(select(t.outbox).where(t.outbox.c.id == p.outboxId)).mappings().first()
+        counted = _counted_attempt(conn, ctx.job_id)
+        html = _html(conn, p.htmlRef) if row is None or row["status"] != t.SENT else ""
     ctx.log.info(
         "sending email",
         outbox_id=p.outboxId,
@@ -107,19 +122,65 @@ def send_message(ctx: JobContext, p: EmailSendJobData, settings: EmailSettings) 
         cpf_cnpj_hash=short_hash(p.recipient.cpfCnpjHash) if p.recipient.cpfCnpjHash else None,
         provider=provider.name,
     )
-    with ctx.fenced() as conn:
-        row = outbox.locked(conn, p, mid)
-        if row["status"] != t.SENT:
-            outbox.count_attempt(conn, p.outboxId, counted)
-    if row["status"] == t.SENT:
+    if row is not None and row["status"] == t.SENT:
         return _result("ALREADY_SENT", row["provider_message_id"], mid, 0, counted, row["refused"] or [])
-    if row["status"] in (t.SENDING, t.UNKNOWN) and not _may_resend(provider, settings):
+    if row is not None and row["status"] in (t.SENDING, t.UNKNOWN) and not _may_resend(provider, settings):
         raise DeliveryUnknown(mid)
-    # Not on ctx.connection: on SQLite its transaction holds the one writer until the
-    # completion, and the fenced writes below would wait for it.
-    with reading(ctx.services.connections.engine) as conn:
-        html = _html(conn, p.htmlRef)
-    email = OutgoingEmail(
+    committed = False
+
+    def point_of_no_return() -> None:
+        nonlocal committed
+        with ctx.fenced() as conn:
+            if outbox.locked(conn, p, mid)["status"] == t.SENT:
+                raise _AlreadySent()
+            outbox.move(conn, p.outboxId, t.SENDING, provider=provider.name, attempts=counted)
+        committed = True
+
+    started = time.monotonic()
+    try:
+        if html is None:
+            raise HtmlNotFound("htmlRef names no stored HTML (email_html) for this message")
+        delivery = provider.send(_outgoing(p, mid, html, settings), before_commit_point=point_of_no_return)
+    except LeaseLost:
+        raise
+    except _AlreadySent:
+        return _result("ALREADY_SENT", None, mid, 0, counted, [])
+    except Exception as exc:
+        # A reply code says what happened; anything else past the point of no return (a lost
+        # reply, a soft time limit, a crash of ours mid-DATA) may have sent it.
+        answered = isinstance(exc, (ProviderUnavailable, ProviderRefused, EmailRejected))
+        uncertain = isinstance(exc, DeliveryUncertain) or (committed and not answered)
+        reason = "uncertain" if uncertain else type(exc).__name__
+        FAILED_TOTAL.labels(provider=provider.name, reason=reason).inc()
+        error = outbox.error_text(exc)
+        ctx.log.warning(
+            "email not sent",
+            outbox_id=p.outboxId,
+            reason=type(exc).__name__,
+            uncertain=uncertain,
+            error=error,
+        )
+        with ctx.fenced() as conn:
+            # Nothing went out, or the server said so: this attempt's own transaction puts the
+            # row back (made first if a by-name producer left it to us), whatever the
+            # platform decides next (a retry, the DLQ).
+            outbox.locked(conn, p, mid)
+            status = t.SENDING if uncertain else t.PENDING
+            outbox.move(conn, p.outboxId, status, attempts=counted, last_error=error)
+        if uncertain and not _may_resend(provider, settings):
+            raise DeliveryUnknown(mid) from exc
+        raise
+    seconds = time.monotonic() - started
+    SEND_SECONDS.observe(seconds)
+    SENT_TOTAL.labels(provider=provider.name).inc()
+    duration_ms = int(seconds * 1000)
+    _record_sent(ctx, p, delivery, duration_ms, counted)
+    ctx.log.info("email sent", outbox_id=p.outboxId, provider=provider.name, refused=len(delivery.refused))
+    return _result("SENT", delivery.provider_message_id, mid, duration_ms, counted, list(delivery.refused))
+
+
+def _outgoing(p: EmailSendJobData, mid: str, html: str, settings: EmailSettings) -> OutgoingEmail:
+    return OutgoingEmail(
         outbox_id=p.outboxId,
         message_id=mid,
         from_address=settings.from_address,
@@ -133,50 +194,6 @@ def send_message(ctx: JobContext, p: EmailSendJobData, settings: EmailSettings) 
         tags=tuple(p.tags),
     )
 
-    committed = False
-
-    def point_of_no_return() -> None:
-        nonlocal committed
-        with ctx.fenced() as conn:
-            outbox.move(conn, p.outboxId, t.SENDING, provider=provider.name, attempts=counted)
-        committed = True
-
-    started = time.monotonic()
-    try:
-        delivery = provider.send(email, before_commit_point=point_of_no_return)
-    except LeaseLost:
-        raise
-    except Exception as exc:
-        # A reply code says what happened; anything else past the point of no return (a lost
-        # reply, a soft time limit, a crash of ours mid-DATA) may have sent it.
-        answered = isinstance(exc, (ProviderUnavailable, ProviderRefused, EmailRejected))
-        uncertain = isinstance(exc, DeliveryUncertain) or (committed and not answered)
-        FAILED_TOTAL.labels(
-            provider=provider.name, reason="uncertain" if uncertain else type(exc).__name__
-        ).inc()
-        error = outbox.error_text(exc)
-        ctx.log.warning(
-            "email not sent",
-            outbox_id=p.outboxId,
-            reason=type(exc).__name__,
-            uncertain=uncertain,
-            error=error,
-        )
-        with ctx.fenced() as conn:
-            # Nothing went out, or the server said so: this attempt's own transaction puts the
-            # row back, whatever the platform decides next (a retry, the DLQ).
-            outbox.move(conn, p.outboxId, t.SENDING if uncertain else t.PENDING, last_error=error)
-        if uncertain and not _may_resend(provider, settings):
-            raise DeliveryUnknown(mid) from exc
-        raise
-    seconds = time.monotonic() - started
-    SEND_SECONDS.observe(seconds)
-    SENT_TOTAL.labels(provider=provider.name).inc()
-    duration_ms = int(seconds * 1000)
-    _record_sent(ctx, p, delivery, duration_ms, counted)
-    ctx.log.info("email sent", outbox_id=p.outboxId, provider=provider.name, refused=len(delivery.refused))
-    return _result("SENT", delivery.provider_message_id, mid, duration_ms, counted, list(delivery.refused))
-
 
 def _may_resend(provider: Provider, settings: EmailSettings) -> bool:
     """Whether a message whose last send is unknown may be sent again: always over HTTP (the
@@ -184,18 +201,15 @@ def _may_resend(provider: Provider, settings: EmailSettings) -> bool:
     return provider.name == "http" or settings.on_unknown == "resend"
 
 
-def _counted_attempt(ctx: JobContext) -> int:
+def _counted_attempt(conn: Connection, job_id: str) -> int:
     """The job's counted attempt (attempts an outage or a shutdown cut short left out)."""
-    with reading(ctx.services.connections.engine) as conn:
-        row = conn.execute(select(jobs.c.attempts, jobs.c.uncounted).where(jobs.c.id == ctx.job_id)).one()
+    row = conn.execute(select(jobs.c.attempts, jobs.c.uncounted).where(jobs.c.id == job_id)).one()
     return max(1, int(row.attempts) - int(row.uncounted or 0))
 
 
-def _html(conn: Connection, ref: str) -> str:
+def _html(conn: Connection, ref: str) -> str | None:
     found = conn.execute(select(t.html.c.html).where(t.html.c.id == ref)).scalar_one_or_none()
-    if found is None:
-        raise HtmlNotFound("htmlRef names no stored HTML (email_html) for this message")
-    return str(found)
+    return None if found is None else str(found)
 
 
 def _record_sent(
