@@ -46,7 +46,7 @@ def test_the_shops_own_pytest_django_suite_passes(tmp_path: Path) -> None:
     try:
         done = run([sys.executable, "-m", "pytest", "-q", "-x"], shop_env(name, tmp_path))
         assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
-        assert "10 passed" in done.stdout
+        assert "11 passed" in done.stdout
     finally:
         with psycopg.connect(f"{PG_BASE}/postgres", autocommit=True) as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "test_{name}" WITH (FORCE)')

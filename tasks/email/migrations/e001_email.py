@@ -15,7 +15,10 @@ from conveyor.store.db.migrate import own_table
 revision = "e001"
 down_revision = None
 branch_labels = ("email",)
-depends_on = "0019"
+# Conveyor's own schema (0011), not its newest revision: a revision a family depends on
+# leaves the version table, and another deployment on the same database (one without this
+# family) must still find the platform's head there.
+depends_on = "0011"
 
 
 def upgrade() -> None:
