@@ -78,6 +78,16 @@ def _example(name: str) -> dict[str, Any]:
         "conveyor.demo.query": {"kind": "ok"},
         "conveyor.demo.fixable": {"key": "k1"},
         "conveyor.files.complete_batch": {"batch_id": "b1"},
+        "conveyor.email.send": {
+            "outboxId": "123e4567-e89b-12d3-a456-426614174000",
+            "companyId": "789e4567-e89b-12d3-a456-426614174999",
+            "requestId": "req-1",
+            "to": "cliente@example.com",
+            "subject": "Seu boleto",
+            "htmlRef": "a" * 64,
+            "recipient": {"externalId": "CUST-1", "email": "cliente@example.com"},
+            "enqueuedAt": "2025-10-19T12:00:00Z",
+        },
     }.get(name, {"n": 1, "file_id": "f1"})
 
 
@@ -202,7 +212,7 @@ def test_an_unknown_stage_lists_close_names(registry: dict[str, RegisteredStage]
     assert close_names("demo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.dmeo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.files.extrct", registry) == ["conveyor.files.extract"]
-    with pytest.raises(UnknownStage, match=r"17 are registered; list them with `conveyor stages`"):
+    with pytest.raises(UnknownStage, match=r"18 are registered; list them with `conveyor stages`"):
         lookup(registry, "conveyor.billing.charge")
     few = {n: registry[n] for n in ("conveyor.demo.noop", "conveyor.demo.pad")}
     with pytest.raises(UnknownStage, match=r"known stages: conveyor.demo.noop, conveyor.demo.pad$"):
