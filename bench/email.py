@@ -47,12 +47,12 @@ then); a redelivery
 dropped as a duplicate is in neither, so it is a lower bound (none happen without faults).
 If no job was parked the limit never bound (the worker is slower than it): stderr says so,
 and ``limited_rate`` is then the worker's capacity, not the limiter's accuracy.
-``--smoke`` keeps a short limited run (a 2 s window from 1 s; a rough figure).
+``--smoke`` keeps a short limited run (a 1.5 s window from 0.5 s; a rough figure).
 
 Usage (as a module: run as a file, ``bench/`` would shadow the standard library's ``email``)::
 
     .venv/bin/python -m bench.email                  # N=10,000, 3 runs per side, limited run
-    .venv/bin/python -m bench.email --smoke          # CI: N=100, 1 run, a short limited run
+    .venv/bin/python -m bench.email --smoke          # CI: N=60, 1 run, a short limited run
     .venv/bin/python -m bench.email --n 2000 --runs 1 --limit-rate 20
 
 Progress and each side's configuration go to stderr; stdout carries only ``name=value``
@@ -125,14 +125,14 @@ QUEUES = (QUEUE, RAW_QUEUE)
 REDIS_DB = 15
 DATABASE = "conveyor_bench_email"
 DEFAULT_N = 10_000
-SMOKE_N = 100
+SMOKE_N = 60
 DEFAULT_CONCURRENCY = 10  # the seed's worker concurrency
 DEFAULT_SUBMITTERS = 4
 IDLE_PAUSE = 0.5
 LIMIT_RATE = 100.0
 # (warm-up, window, slack) in seconds: the limited run sends rate x their sum messages.
 LIMITED = (5.0, 30.0, 5.0)
-SMOKE_LIMITED = (1.0, 2.0, 0.5)
+SMOKE_LIMITED = (0.5, 1.5, 0.5)
 SAMPLE_INTERVAL = 0.1
 SEED_RATE, RATE_TOLERANCE, DELIVERIES_GOAL = 100, 5, 1.2
 # Passed to both workers after ``--`` (Celery's command-line config, namespace ``worker``).
