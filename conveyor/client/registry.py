@@ -248,12 +248,17 @@ class RegisteredStage:
             submit_rules=row.get("submit_rules"),
         )
 
-    def strict_rule(self) -> Strict | None:
-        """The stage's strict idempotency rule (:mod:`conveyor.client.idempotency`), or None."""
+    @functools.cached_property
+    def _strict(self) -> Strict | None:
         rule = (self.submit_rules or {}).get("idempotency") or {}
         if rule.get("mode") != "strict":
             return None
         return Strict.of(self.name, rule.get("ignore") or (), self.payload_schema)
+
+    def strict_rule(self) -> Strict | None:
+        """The stage's strict idempotency rule (:mod:`conveyor.client.idempotency`), or
+        None; built once per registered stage."""
+        return self._strict
 
     @property
     def masked_repr(self) -> bool:

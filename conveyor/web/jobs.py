@@ -22,7 +22,7 @@ from conveyor.web.limits import held_limit
 from conveyor.web.links import job_links
 from conveyor.web.models import CancelRequest, JobDetail, SubmitRequest, SubmittedJob, events_of
 from conveyor.web.models import Job as JobView
-from conveyor.web.problems import Problem, responses
+from conveyor.web.problems import Problem, duplicate_of_another_owner, responses
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -89,11 +89,8 @@ def submit(request: Request, response: Response, caller: Submitter, body: Submit
 
 
 def _taken_by_another_owner() -> Problem:
-    return Problem(
-        409,
-        "duplicate-of-another-owner",
-        "Conflict",
-        "a job of another owner holds this job_id or the stage's dedup key; nothing was submitted",
+    return duplicate_of_another_owner(
+        "a job of another owner holds this job_id or the stage's dedup key; nothing was submitted"
     )
 
 

@@ -120,6 +120,12 @@ def _missing_table(exc: Exception) -> bool:
     return getattr(orig, "sqlstate", None) == "42P01" or "no such table" in str(orig)
 
 
+def duplicate_of_another_owner(detail: str) -> Problem:
+    """409: the submit names a job (its id, its dedup key) of an owner the caller may not
+    see; neither that job's existence nor its state is said."""
+    return Problem(409, "duplicate-of-another-owner", "Conflict", detail)
+
+
 def unavailable(detail: str) -> Problem:
     """503: the database did not answer; nothing was done, try again."""
     return Problem(503, "unavailable", "Service unavailable", detail, headers={"Retry-After": RETRY_AFTER})

@@ -21,7 +21,7 @@ from conveyor.errors import IdempotencyConflict
 from conveyor.platform import Platform
 from conveyor.web import tokens
 from conveyor.web.auth import Caller, Reader, Submitter, requires
-from conveyor.web.problems import Problem, responses
+from conveyor.web.problems import Problem, duplicate_of_another_owner, responses
 from pipelines.email.messages import NotResolvable, resolve, send_email, show_message
 
 router = APIRouter(tags=["email"])
@@ -95,12 +95,8 @@ def _owner_of(platform: Platform, job_id: str) -> str | None:
 
 
 def _another_owners() -> Problem:
-    # Neither the message's existence nor its state is another owner's to learn.
-    return Problem(
-        409,
-        "duplicate-of-another-owner",
-        "Conflict",
-        "this outboxId belongs to another owner's message; nothing was recorded",
+    return duplicate_of_another_owner(
+        "this outboxId belongs to another owner's message; nothing was recorded"
     )
 
 

@@ -35,7 +35,7 @@ from tasks.email.models import (
     html_ref_for,
 )
 from tasks.email.privacy import mask_addresses_in, mask_email
-from tasks.email.settings import EmailSettings
+from tasks.email.settings import EmailSettings, email_settings_of
 from tasks.email.stages import message_id
 
 MAX_HTML = 1_000_000  # characters of one message's HTML
@@ -99,7 +99,7 @@ def send_email(
             f"invalid options for {STAGE}: delay: at most {DEFAULT_TTL_S - 1} s (a message expires "
             f"{DEFAULT_TTL_S // 3600} h after it is recorded: a longer delay would never send it)"
         )
-    settings = _email_settings(platform)
+    settings = email_settings(platform)
     row = outbox.new_row(model, message_id(model.outboxId, settings))
     schema = platform.settings.db_schema
 
@@ -113,10 +113,11 @@ def send_email(
             conn.execute(upsert(conn, t.html).values(**stored).on_conflict_do_nothing())
         elif conn.execute(select(t.html.c.id).where(t.html.c.id == model.htmlRef)).first() is None:
             raise PayloadInvalid(f"invalid payload for {STAGE}: htmlRef: names no stored HTML (email_html)")
+        current = found
         if found is None:
             conn.execute(upsert(conn, t.outbox).values(**row).on_conflict_do_nothing())
-            raced = _existing(conn, model.outboxId)
-            if raced is not None and raced["request_hash"] != row["request_hash"]:
+            current = _existing(conn, model.outboxId)  # ours, or one a racing send wrote first
+            if current["request_hash"] != row["request_hash"]:
                 raise _conflict(model.outboxId)
         job = platform.submit(
             STAGE,
@@ -128,8 +129,7 @@ def send_email(
             session=joined,
             owner=owner,
         )
-        status = str(_existing(conn, model.outboxId)["status"])
-        return Sent(model.outboxId, job.id, status, job.deduplicated or found is not None)
+        return Sent(model.outboxId, job.id, str(current["status"]), job.deduplicated or found is not None)
 
     if session is not None:
         return write(session.connection(), session)
@@ -203,12 +203,7 @@ def _conflict(outbox_id: str) -> IdempotencyConflict:
 
 def email_settings(platform: Platform) -> EmailSettings:
     """The deployment's ``CONVEYOR_EMAIL`` (the defaults where the platform has none)."""
-    return _email_settings(platform)
-
-
-def _email_settings(platform: Platform) -> EmailSettings:
-    found = getattr(platform.settings, "email", None)
-    return found if isinstance(found, EmailSettings) else EmailSettings()
+    return email_settings_of(platform.settings)
 
 
 def _shown(row: Any) -> dict[str, Any]:

@@ -126,3 +126,10 @@ class EmailSettings(BaseModel):
         if self.pii_key is None or not self.pii_key.get_secret_value():
             raise ConfigurationError(f"{SETTING} pii_key is not set: a CPF/CNPJ cannot be hashed without it")
         return self.pii_key.get_secret_value().encode()
+
+
+def email_settings_of(settings: object, default: EmailSettings | None = None) -> EmailSettings:
+    """``CONVEYOR_EMAIL`` of a platform's settings (a deployment without the family's
+    settings: ``default``, else the defaults)."""
+    found = getattr(settings, "email", None)
+    return found if isinstance(found, EmailSettings) else default or EmailSettings()

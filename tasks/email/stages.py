@@ -51,7 +51,7 @@ from tasks.email.models import (
 )
 from tasks.email.privacy import mask_email, masked, short_hash
 from tasks.email.providers import Delivery, OutgoingEmail, Provider, provider_from
-from tasks.email.settings import EmailSettings
+from tasks.email.settings import EmailSettings, email_settings_of
 
 SENT_TOTAL = metrics.counter("conveyor_email_sent_total", "messages a provider accepted", ["provider"])
 FAILED_TOTAL = metrics.counter(
@@ -75,8 +75,7 @@ def _provider(settings: EmailSettings) -> Provider:
 
 def _email() -> EmailSettings:
     """The platform's ``CONVEYOR_EMAIL`` (read when each message is sent)."""
-    found = getattr(current_platform().settings, "email", None)
-    return found if isinstance(found, EmailSettings) else _SETTINGS
+    return email_settings_of(current_platform().settings, _SETTINGS)
 
 
 def message_id(outbox_id: str, settings: EmailSettings) -> str:
