@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 
@@ -323,3 +323,14 @@ class CpuMeter:
         for (group, pid), last in self.last.items():
             used[group] += (last - self.first[(group, pid)]) / CLK_TCK
         return used
+
+
+def raw_queue_config(settings: ConveyorSettings, queue: str, exchange: str) -> dict[str, Any]:
+    """The Celery config the deployment's app gets, for a bench's plain Celery app (its raw
+    side) on a queue of its own (``queue``, on a direct exchange ``exchange``)."""
+    from kombu.entity import Exchange, Queue
+
+    from conveyor.delivery.celeryconfig import celery_config
+
+    routed = Queue(queue, Exchange(exchange, type="direct"), routing_key=queue)  # type: ignore[no-untyped-call]
+    return celery_config(settings, queues=[routed], default_queue=queue)

@@ -19,11 +19,9 @@ from functools import cache
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery import Celery
-from kombu.entity import Exchange, Queue
 
-from bench.common import BenchError
+from bench.common import BenchError, raw_queue_config
 from config.settings import Settings
-from conveyor.delivery.celeryconfig import celery_config
 from tasks.email.providers import OutgoingEmail
 from tasks.email.providers.smtp import SmtpProvider
 
@@ -78,13 +76,11 @@ def payload(company: str, index: int) -> dict[str, Any]:
 # -- the raw side: a plain Celery app and task, nothing from Conveyor's runtime ------------
 
 raw_app = Celery("conveyor_bench_email_raw")
-RAW_EXCHANGE = Exchange("conveyor_bench_email_raw", type="direct")  # type: ignore[no-untyped-call]
-RAW_QUEUES = [Queue(RAW_QUEUE, RAW_EXCHANGE, routing_key=RAW_QUEUE)]  # type: ignore[no-untyped-call]
 
 
 def configure_raw_app(settings: ConveyorSettings) -> None:
     """Give :data:`raw_app` the Celery config the deployment's app gets, on its own queue."""
-    raw_app.conf.update(celery_config(settings, queues=RAW_QUEUES, default_queue=RAW_QUEUE))
+    raw_app.conf.update(raw_queue_config(settings, RAW_QUEUE, "conveyor_bench_email_raw"))
 
 
 @cache

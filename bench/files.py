@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery, chain, chord, group
 from celery.result import AsyncResult
-from kombu.entity import Exchange, Queue
 from sqlalchemy import Engine, func, select, update
 
 from bench.common import (
@@ -80,10 +79,10 @@ from bench.common import (
     log,
     open_platform,
     prepare,
+    raw_queue_config,
     wait_drained,
 )
 from config.settings import Settings
-from conveyor.delivery.celeryconfig import celery_config
 from conveyor.store.db.dialect import db_now
 from tasks.files import flow
 from tasks.files.chunking import Chunk, chunk_text
@@ -144,13 +143,11 @@ def embedder_named(name: str) -> Embedder:
 # -- the raw side: a plain Celery app and tasks, nothing from Conveyor's runtime ---------
 
 raw_app = Celery("conveyor_bench_files_raw")
-RAW_EXCHANGE = Exchange("conveyor_bench_raw", type="direct")  # type: ignore[no-untyped-call]
-RAW_QUEUES = [Queue(RAW_QUEUE, RAW_EXCHANGE, routing_key=RAW_QUEUE)]  # type: ignore[no-untyped-call]
 
 
 def configure_raw_app(settings: ConveyorSettings) -> None:
     """Give :data:`raw_app` the Celery config the deployment's app gets, on its own queue."""
-    raw_app.conf.update(celery_config(settings, queues=RAW_QUEUES, default_queue=RAW_QUEUE))
+    raw_app.conf.update(raw_queue_config(settings, RAW_QUEUE, "conveyor_bench_raw"))
 
 
 @cache
