@@ -54,10 +54,11 @@ def test_a_worker_holds_at_most_one_unacknowledged_delivery_per_slot(
         sampler.join(timeout=10)
     assert len(seen) >= 5 and max(seen) >= 1, seen
     # A burst the broker pushed before the gate's cancel arrived (at start, or as queues
-    # resume) is handed back within a round trip: seen at most in a passing snapshot.
+    # resume) is handed back within a round trip: seen in at most two passing snapshots,
+    # each followed by one within the gate. (rabbitmqctl is slow, so a run may take as few
+    # as five snapshots: a share of them would fail on one such burst.)
     over = [i for i, n in enumerate(seen) if n > 2]
     assert len(over) <= 2 and all(i + 1 >= len(seen) or seen[i + 1] <= 2 for i in over), seen
-    assert sum(n <= 2 for n in seen) >= 0.9 * len(seen), seen
 
 
 @pytest.mark.parametrize("outage", ["stop", "kill"])
