@@ -16,7 +16,11 @@ HAS_FILES = all(importlib.util.find_spec(m) is not None for m in FILES_EXTRA)
 EMAIL_EXTRA = ("email_validator", "aiosmtpd")
 HAS_EMAIL = all(importlib.util.find_spec(m) is not None for m in EMAIL_EXTRA)
 
+PUBLISHER_EXTRA = ("tzdata",)
+HAS_PUBLISHER = all(importlib.util.find_spec(m) is not None for m in PUBLISHER_EXTRA)
+
 CLI_EXTENSIONS = {
     **({"files": "pipelines.files.cli:app"} if HAS_FILES else {}),
     **({"email": "pipelines.email.cli:app"} if HAS_EMAIL else {}),
+    **({"publisher": "pipelines.publisher.cli:app"} if HAS_PUBLISHER else {}),
 }

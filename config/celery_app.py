@@ -6,7 +6,7 @@ import logging
 
 from celery import Celery
 
-from config import HAS_EMAIL, HAS_FILES
+from config import HAS_EMAIL, HAS_FILES, HAS_PUBLISHER
 from config.beat import BEAT_SCHEDULE
 from config.queues import DEFAULT_QUEUE, QUEUES
 from config.settings import get_settings
@@ -20,17 +20,21 @@ if not HAS_FILES:
     logging.getLogger("conveyor").warning("the files family is off: install conveyor[files] to run it")
 if not HAS_EMAIL:
     logging.getLogger("conveyor").warning("the email family is off: install conveyor[email] to run it")
+if not HAS_PUBLISHER:
+    logging.getLogger("conveyor").warning("the publisher family is off: install conveyor[publisher] to run it")
 
 TASK_MODULES = [
     "tasks.demo",
     *(["tasks.files.stages"] if HAS_FILES else []),
     *(["tasks.email.stages"] if HAS_EMAIL else []),
+    *(["tasks.publisher.stages"] if HAS_PUBLISHER else []),
 ]
 # Routers `conveyor serve` adds to the HTTP API (conveyor.web.server); the command groups
 # `conveyor` adds, CLI_EXTENSIONS, are in config/__init__.py (read without this module).
 HTTP_EXTENSIONS = {
     **({"files": "pipelines.files.http:router"} if HAS_FILES else {}),
     **({"email": "pipelines.email.http:router"} if HAS_EMAIL else {}),
+    **({"publisher": "pipelines.publisher.http:router"} if HAS_PUBLISHER else {}),
 }
 MIGRATIONS = "config.migrations:upgrade"
 

@@ -13,6 +13,7 @@ FAMILY_MIGRATIONS = [
     ROOT / "tasks" / "demo" / "migrations",
     ROOT / "tasks" / "files" / "migrations",
     ROOT / "tasks" / "email" / "migrations",
+    ROOT / "tasks" / "publisher" / "migrations",
 ]
 
 

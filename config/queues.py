@@ -26,6 +26,9 @@ QUEUES = [
     # The email family. Its seed's 100 messages/s across workers is
     # CONVEYOR_RATE_LIMITS='{"email": {"rate": 100}}' (off by default).
     quorum_queue("email", EXCHANGE),
+    # The publisher family: posts and first comments. Per-channel and per-account limits
+    # are the stage's (CONVEYOR_PUBLISHER.channel_concurrency, one lease per account).
+    quorum_queue("publisher", EXCHANGE),
 ]
 
 DEFAULT_QUEUE = "default"

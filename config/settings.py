@@ -10,6 +10,7 @@ from pydantic import BaseModel
 from conveyor.settings import ConveyorSettings
 from tasks.email.settings import EmailSettings
 from tasks.files.storage import S3Settings
+from tasks.publisher.settings import PublisherSettings
 
 
 class FilesSettings(BaseModel):
@@ -35,6 +36,8 @@ class Settings(ConveyorSettings):
 
     files: FilesSettings = FilesSettings()
     email: EmailSettings = EmailSettings()  # CONVEYOR_EMAIL, JSON (tasks/email/settings.py)
+    # CONVEYOR_PUBLISHER, JSON (tasks/publisher/settings.py)
+    publisher: PublisherSettings = PublisherSettings()
 
     def files_storage_dir(self) -> Path:
         """Where local file contents live."""

@@ -10,9 +10,9 @@ through its constructor.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from celery import Celery
 from kombu.entity import Queue
@@ -27,6 +27,7 @@ from conveyor.client.enlist import Enlistment
 from conveyor.client.followers import Followers
 from conveyor.client.handle import JobHandle
 from conveyor.client.recorder import Recorder
+from conveyor.client.reschedule import reschedule
 from conveyor.client.stops import Stops
 from conveyor.client.submit import Submitter
 from conveyor.dedup import Dedup, Reuse
@@ -48,10 +49,14 @@ from conveyor.worker.admission import Admission
 from conveyor.worker.completion import Completion
 from conveyor.worker.continuations import Continuations
 from conveyor.worker.flow import Burial, Flow
+from conveyor.worker.gate import Gate
 from conveyor.worker.heartbeat import Heartbeat
 from conveyor.worker.leases import Leases
 from conveyor.worker.runner import Runner
 from conveyor.worker.task import StageTask
+
+if TYPE_CHECKING:
+    from conveyor.calendar import Window
 
 
 class Platform:
@@ -149,7 +154,7 @@ class Platform:
             deduper=deduper,
             stops=stops,
             leases=leases,
-            admission=self.admission,
+            gate=Gate(conns, store=store, recorder=recorder, admission=self.admission, metrics=metrics),
             heartbeat=heartbeat,
             completion=completion,
             flow=flow,
@@ -250,6 +255,9 @@ class Platform:
         preemptable: bool = False,
         grace: float | None = None,
         concurrency: int | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: Callable[[str], int | None] | None = None,
+        blackout: Callable[[Any], Iterable[Window]] | None = None,
         on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
         on_retry: Callable[[Any, Any], None] | None = None,
         on_stalled: Callable[[Any, Any, int], None] | None = None,
@@ -270,6 +278,13 @@ class Platform:
         names an existing job but is not the same request (:class:`IdempotencyConflict`);
         ``on_expired(conn, payload)`` runs in the transaction that expires a job;
         ``kwargsrepr(payload)`` is what Flower shows of a job's arguments.
+
+        ``concurrency=N`` caps the jobs running at once across all workers; with
+        ``concurrency_key="channel:{channel}"`` the cap holds per key (a key's own limit:
+        ``concurrency_limit(key)``, or ``concurrency_keys`` in ``CONVEYOR_STAGES``). A job
+        over its key's limit is parked and woken when a slot of that key frees.
+        ``blackout(payload) -> windows`` (:class:`conveyor.calendar.Window`): a job due
+        inside one is parked until the window ends, uncounted, with a ``job.blackout`` event.
         """
         register = self.stages.declare(
             name,
@@ -280,6 +295,9 @@ class Platform:
             time_limit=time_limit,
             soft_time_limit=soft_time_limit,
             concurrency=concurrency,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
+            blackout=blackout,
             priority=priority,
             label=label,
             retry_on_timeout=retry_on_timeout,
@@ -402,6 +420,14 @@ class Platform:
     def cancel(self, job_id: str, *, by: str = "api", reason: str | None = None) -> str:
         """Cancel a job in any state; returns the status it ends up in (see :meth:`Stops.cancel`)."""
         return self.stops.cancel(job_id, by=by, reason=reason)
+
+    def reschedule(
+        self, job_id: str, run_at: dt.datetime, *, session: Session | scoped_session[Any] | None = None
+    ) -> bool:
+        """Move a job not yet claimed (``queued``, ``retrying``, ``throttled``,
+        ``waiting_lease``) to ``run_at`` (aware), in ``session``'s transaction if given;
+        False once it runs or has ended (:mod:`conveyor.client.reschedule`)."""
+        return reschedule(self.connections, self.store, self.recorder, job_id, run_at, session=session)
 
     @property
     def dlq(self) -> DeadLetterQueue:

@@ -10,17 +10,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with full jitter and a cap: ``base * 2**(attempt-1)``, jittered."""
+    """Exponential backoff with a cap: ``base * factor**(attempt-1)``, at most ``cap``, then
+    jittered (half fixed, half random)."""
 
     base: float | None = None
     cap: float | None = None
     jitter: bool = True
+    factor: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.factor < 1:
+            raise ValueError(f"Backoff factor must be at least 1, not {self.factor}")
 
     def delay(self, attempt: int, *, default_base: float, default_cap: float) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (1-based)."""
         base = default_base if self.base is None else self.base
         cap = default_cap if self.cap is None else self.cap
-        raw = min(cap, base * (2 ** max(0, attempt - 1)))
+        raw = min(cap, base * (self.factor ** max(0, attempt - 1)))
         # Half fixed, half random: spreads a thundering herd without ever retrying instantly.
         return float(raw / 2 + random.uniform(0, raw / 2)) if self.jitter else float(raw)
 

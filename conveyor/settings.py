@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, PositiveInt, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 SCHEMA = "conveyor"  # the placeholder every table is declared in, and the default schema
@@ -50,6 +50,10 @@ class StageOverride(BaseModel):
     soft_time_limit: float | None = None
     max_attempts: int | None = None
     concurrency: int | None = Field(None, ge=1, description="running at once, across all workers")
+    concurrency_keys: dict[str, PositiveInt] = Field(
+        default_factory=dict,
+        description='a keyed stage\'s limit for one key, e.g. {"channel:instagram": 3}',
+    )
 
 
 class ConveyorSettings(BaseSettings):

@@ -9,9 +9,9 @@ import dataclasses
 import inspect
 import json
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import celery
 from pydantic import BaseModel, ValidationError, create_model
@@ -21,6 +21,9 @@ from conveyor.dedup import Dedup
 from conveyor.errors import ConfigurationError, PayloadInvalid, PayloadTooLarge
 from conveyor.retry import Backoff, RetryPolicy
 from conveyor.wire import from_wire, to_wire, wire_text
+
+if TYPE_CHECKING:
+    from conveyor.calendar import Window
 
 # ``fn(ctx, payload)``: ``ctx`` is the attempt's :class:`conveyor.worker.context.JobContext`.
 StageFn = Callable[[Any, Any], Any]
@@ -51,6 +54,13 @@ class StageSpec:
     preemptable: bool = False
     grace: float | None = None
     concurrency: int | None = None  # running at once across all workers (None: no cap)
+    # "channel:{channel}": the cap holds per key (filled from the payload); a key's limit is
+    # CONVEYOR_STAGES' ``concurrency_keys``, else ``concurrency_limit(key)``, else ``concurrency``.
+    concurrency_key: str | None = None
+    concurrency_limit: Callable[[str], int | None] | None = None
+    concurrency_keys: tuple[tuple[str, int], ...] = ()
+    # ``blackout(payload) -> windows``: a job due inside one waits, parked, for its end.
+    blackout: Callable[[Any], Iterable[Window]] | None = None
     # Called in the dead-letter transaction (connection, payload, error); its return value
     # goes on down the flow instead of the error, so a chord never waits on a dead member.
     on_dead: Callable[[Any, Any, BaseException], Any] | None = None
@@ -79,6 +89,24 @@ class StageSpec:
     # The message's ``kwargsrepr`` (what Flower shows of its arguments) from the payload:
     # a stage whose payload holds personal data masks it here.
     kwargsrepr: Callable[[Mapping[str, Any]], str] | None = None
+
+    def concurrency_of(self, payload: Mapping[str, Any]) -> tuple[str, int] | None:
+        """The concurrency key a job of this payload counts against (``""``: the stage's
+        one cap) and its limit; None when it is not capped."""
+        if self.concurrency_key is None:
+            return None if self.concurrency is None else ("", self.concurrency)
+        key = format_key(self.concurrency_key, payload)
+        limit = dict(self.concurrency_keys).get(key)
+        if limit is None and self.concurrency_limit is not None:
+            limit = self.concurrency_limit(key)
+        if limit is None:
+            limit = self.concurrency
+        return None if limit is None else (key, max(1, int(limit)))
+
+    @property
+    def capped(self) -> bool:
+        """Whether a job of this stage may have to wait for a concurrency slot."""
+        return self.concurrency is not None or self.concurrency_key is not None
 
     @property
     def positional_fields(self) -> list[str]:

@@ -113,6 +113,7 @@ class Stages(dict[str, StageSpec]):
                 time_limit=hard,
                 soft_time_limit=soft,
                 concurrency=override.concurrency or concurrency,
+                concurrency_keys=tuple(sorted(override.concurrency_keys.items())),
                 **policy,
             )
             self[name] = spec

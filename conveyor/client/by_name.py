@@ -47,6 +47,7 @@ from conveyor.client.handle import JobHandle
 from conveyor.client.owners import owned_key
 from conveyor.client.recorder import Recorder
 from conveyor.client.registry import RegisteredStage
+from conveyor.client.reschedule import reschedule
 from conveyor.client.session_hooks import utc_or_none
 from conveyor.client.stops import Stops, report_revoked
 from conveyor.client.submit import Submitter
@@ -428,6 +429,13 @@ class Client:
     def cancel(self, job_id: str, *, by: str = "api", reason: str | None = None) -> str:
         """Cancel a job in any state; returns the status it ends up in (idempotent)."""
         return self._stops.cancel(job_id, by=by, reason=reason)
+
+    def reschedule(
+        self, job_id: str, run_at: dt.datetime, *, session: Session | scoped_session[Any] | None = None
+    ) -> bool:
+        """Move a job not yet claimed to ``run_at`` (aware); False once it runs or has ended
+        (:mod:`conveyor.client.reschedule`)."""
+        return reschedule(self.connections, self.store, self._recorder, job_id, run_at, session=session)
 
     def close(self) -> None:
         """Close this client's connections (it reconnects if used again)."""

@@ -110,6 +110,18 @@ class Claims:
                 self.expired_hook(conn, job)
         return ok
 
+    def unthrottle(self, conn: Connection, job_id: str, *, topic: str, body: Mapping[str, Any]) -> bool:
+        """A ``throttled`` job due now (a slot it waits for freed): ``queued``, unpublished."""
+        res = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status == s.THROTTLED)
+            .values(status=s.QUEUED, run_at=db_now(), published_at=None, updated_at=db_now())
+        )
+        if res.rowcount != 1:
+            return False
+        self.emit(conn, [new_event(job_id, topic, body)])
+        return True
+
     # -- claims ---------------------------------------------------------------------------
 
     def claim(self, conn: Connection, job_id: str, *, owner: str, task_id: str) -> Claim:

@@ -46,6 +46,7 @@ class TickReport:
     retried: int = 0  # dead letters whose requested retry a worker performed
     skipped_lock: bool = False
     skipped_busy: bool = False  # SQLite's writer was held by a long transaction
+    next_due: float | None = None  # seconds until the next unpublished job falls due
 
 
 class Reconciler:

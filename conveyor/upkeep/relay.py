@@ -39,6 +39,8 @@ RELAY_LOCK = 0x636F6E76  # "conv"
 DYING_MARGIN = 2.0
 # How long a pass waits for SQLite's writer before skipping (Postgres: no limit).
 RELAY_WAIT = 0.5
+# The shortest sleep between passes when a job falls due sooner than the next one.
+MIN_WAIT = 0.02
 
 
 class Relay:
@@ -120,6 +122,7 @@ class Relay:
             marked = (
                 self._mark_publishable(conn, epoch, orphans, reconcile=reconcile) if epoch is not None else []
             )
+            report.next_due = next_due(conn) if epoch is not None else None
         sequence_events(connections.engine)  # keeps readers' own sequencer passes small
         for job_id, status, dedup_key in finished:
             self.flow.finished(job_id, status, dedup_key=dedup_key)
@@ -323,13 +326,19 @@ class Relay:
     def _loop(self) -> None:
         settings = self.connections.settings
         failures = RepeatedFailure(log, "relay pass")
-        while not self._stop.wait(settings.relay_interval):
+        wait = settings.relay_interval
+        while not self._stop.wait(wait):
+            wait = settings.relay_interval
             now = time.monotonic()
             reconcile = now - self._last_reconcile >= settings.reconciler_interval
             outcome = "failed"
             try:
                 report = self.tick(reconcile=reconcile)
                 outcome = "busy" if report.skipped_busy else "ok"
+                if report.next_due is not None:
+                    # A job due before the next pass: wake for it, so its start lags its
+                    # due time by a publish, not by up to a whole interval.
+                    wait = min(wait, max(MIN_WAIT, report.next_due))
                 if reconcile and not report.skipped_busy:
                     self._last_reconcile = now
                 failures.passed()
@@ -348,6 +357,30 @@ class Relay:
             log.debug("could not record the relay pass", exc_info=True)
 
 
+def next_due(conn: Any) -> float | None:
+    """Seconds until the earliest unpublished job waiting to be claimed falls due (the
+    database's clock), or None when there is none."""
+    row = conn.execute(
+        select(func.min(jobs.c.run_at), db_now()).where(
+            jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_(None), jobs.c.run_at > db_now()
+        )
+    ).first()
+    if row is None or row[0] is None:
+        return None
+    due, now = _aware(row[0]), _aware(row[1])
+    if due is None or now is None:
+        return None
+    return max(0.0, (due - now).total_seconds())
+
+
+def _aware(value: Any) -> dt.datetime | None:
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value)
+    if not isinstance(value, dt.datetime):
+        return None
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+
 def _published_waiting() -> Any:
     """Jobs waiting to be claimed whose message was published (under any epoch)."""
     return and_(jobs.c.status.in_(s.CLAIMABLE), jobs.c.published_at.is_not(None))
@@ -362,4 +395,4 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-__all__ = ["Relay", "TickReport"]
+__all__ = ["Relay", "TickReport", "next_due"]

@@ -42,6 +42,22 @@ return 0
 """
 
 
+# A job refused a slot is listed (oldest first) for the next release to wake; returns 1 if
+# a slot is free by now, so a release that came between the refusal and the listing is not
+# missed. The list lives as long as the slots do.
+_ADD_WAITER = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1])
+redis.call('PEXPIRE', KEYS[2], 86400000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[2]) then
+  return 1
+end
+return 0
+"""
+
+
 @dataclass(frozen=True)
 class Slot:
     """A held concurrency slot of a stage."""
@@ -80,12 +96,20 @@ class Admission:
         return script(keys=keys, args=list(args), client=r)
 
     def check(
-        self, *, queue: str, rate: RateLimit | None, stage: str, concurrency: int | None, job_id: str
+        self,
+        *,
+        queue: str,
+        rate: RateLimit | None,
+        stage: str,
+        concurrency: int | None,
+        job_id: str,
+        key: str = "",
     ) -> Verdict:
         """Take a slot (if capped) and a token or the job's due reservation (if limited).
 
-        Over the rate limit the job keeps a reservation (its own token time, the wait
-        returned) and no slot; refused for concurrency, it holds nothing new.
+        ``key`` is the stage's concurrency key (``""``: the stage's one cap). Over the rate
+        limit the job keeps a reservation (its own token time, the wait returned) and no
+        slot; refused for concurrency, it holds nothing new.
         """
         # The slot comes first so that a job refused for concurrency never touches the bucket
         # (it would otherwise consume a token, or reserve one, per bounce off a full stage). A
@@ -93,7 +117,7 @@ class Admission:
         # whenever it next gets a slot, so bouncing off the cap later costs no second token.
         slot = None
         if concurrency is not None:
-            slot = Slot(f"{self.key_prefix}slots:{stage}", job_id)
+            slot = Slot(self.slot_key(stage, key), job_id)
             took = self._run(_TAKE_SLOT, [slot.key], concurrency, slot.member, self.slot_ttl_ms)
             if not int(took):
                 return Verdict(wait=self.busy_wait, reason="concurrency")
@@ -104,6 +128,23 @@ class Admission:
                     self.release(slot)
                 return Verdict(wait=wait, reason="rate")
         return Verdict(slot=slot)
+
+    def slot_key(self, stage: str, key: str = "") -> str:
+        """The Redis key of a stage's slots (of one concurrency key)."""
+        return f"{self.key_prefix}slots:{stage}" + (f":{key}" if key else "")
+
+    def add_waiter(self, slot_key: str, job_id: str, limit: int) -> bool:
+        """Note ``job_id`` as parked for a slot of ``slot_key``; True when a slot is free by
+        now (it freed between the refusal and this call: the caller wakes a waiter)."""
+        return bool(int(self._run(_ADD_WAITER, [slot_key, f"{slot_key}:parked"], job_id, limit)))
+
+    def next_waiter(self, slot_key: str) -> str | None:
+        """Take the longest-parked job of ``slot_key`` off its list, or None."""
+        popped = self._redis().zpopmin(f"{slot_key}:parked", 1)
+        if not popped:
+            return None
+        member = popped[0][0]
+        return member.decode() if isinstance(member, bytes) else str(member)
 
     def renew(self, slot: Slot) -> None:
         """Keep a running job's slot (called by its heartbeat)."""

@@ -16,6 +16,7 @@ from celery.exceptions import Ignore, Reject, SoftTimeLimitExceeded
 from sqlalchemy import update
 
 from conveyor import tracing
+from conveyor.client.owners import owned_key
 from conveyor.delivery.connections import Connections
 from conveyor.errors import LeaseLost, RetryRequested, describe, is_connection_loss, is_permanent
 from conveyor.metrics import Metrics
@@ -77,7 +78,13 @@ class Completion:
     ) -> None:
         store = self.store
         conn = ctx.take_connection()
-        simple = skipped is None and not ctx.events and not task.request.chain and not task.request.callbacks
+        simple = (
+            skipped is None
+            and not ctx.events
+            and not ctx.children
+            and not task.request.chain
+            and not task.request.callbacks
+        )
         lane = self.connections.lane if conn is None and simple else None
         if lane is not None:
             # Nothing but the completion itself to commit: one statement, autocommit.
@@ -111,6 +118,11 @@ class Completion:
                 raise LeaseLost(f"job {job['id']} attempt {job['attempts']} was taken over")
             store.emit(conn, ctx.events)
             continuation = self.continuations.take_over(conn, task.request, job, result)
+            if ctx.children:
+                for child in ctx.children:
+                    child.owner = job["owner"]
+                    child.idempotency_key = owned_key(job["owner"], child.idempotency_key)
+                continuation += self.continuations.insert(conn, ctx.children, upstream=str(job["id"]))
             conn.commit()
         except BaseException:
             conn.rollback()

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
 from sqlalchemy import Connection, select, update
 from sqlalchemy.orm import Session
 from structlog.stdlib import BoundLogger
@@ -17,8 +18,9 @@ from conveyor.delivery.connections import Connections
 from conveyor.errors import Cancelled, LeaseLost, Preempted
 from conveyor.logs import JobTokens, bind_job, job_logger, unbind_job
 from conveyor.store.db.schema import RUNNING, jobs, leases
-from conveyor.store.jobs import JobStore, new_event
+from conveyor.store.jobs import JobStore, NewJob, new_event
 from conveyor.worker.admission import Slot
+from conveyor.worker.continuations import Continuations
 from conveyor.worker.leases import Held
 
 
@@ -29,6 +31,7 @@ class ContextServices:
     connections: Connections
     store: JobStore
     stops: Stops
+    continuations: Continuations | None = None  # what ctx.submit() builds its jobs with
 
 
 class JobContext:
@@ -62,6 +65,7 @@ class JobContext:
         self._log: BoundLogger | None = None
         self._log_tokens: JobTokens | None = bind_job(job_id, stage, attempt, queue)
         self.events: list[dict[str, Any]] = []
+        self.children: list[NewJob] = []  # ctx.submit(): inserted with the completion
         self._conn: Connection | None = None
         self._session: Session | None = None
         self.lease_lost = False
@@ -100,6 +104,21 @@ class JobContext:
     def emit(self, topic: str, body: Mapping[str, Any]) -> None:
         """Queue an outbox event; it commits with the job's completion, or not at all."""
         self.events.append(new_event(self.job_id, topic, body))
+
+    def submit(self, stage: str, payload: Mapping[str, Any] | BaseModel | None = None, **options: Any) -> str:
+        """Submit a job when this one completes: recorded in the completion's transaction
+        (the same dedup decision as a submit, this job's owner), published after it commits,
+        as a chain link is; nothing if this attempt fails. Options as ``submit()``'s
+        (``delay``, ``run_at``, ``priority``, ``label``, ``max_attempts``, ``dedup``,
+        ``reuse``, ``idempotency_key``, ``job_id``, ``expires_in``). Returns the id the job
+        gets if recorded (a duplicate by dedup is not: the holder stands for it)."""
+        continuations = self.services.continuations
+        if continuations is None:
+            raise RuntimeError("ctx.submit() is for a stage body run by a worker")
+        data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else dict(payload or {})
+        new = continuations.child(stage, data, options)
+        self.children.append(new)
+        return new.id
 
     def progress(self, value: float | None = None, **data: Any) -> None:
         """Record progress now (its own small transaction), visible while the job runs."""

@@ -21,6 +21,7 @@ from sqlalchemy import Connection
 from conveyor import tracing
 from conveyor.client.followers import Followers
 from conveyor.client.recorder import Recorder
+from conveyor.client.session_hooks import utc_or_none
 from conveyor.dedup import DedupPlan
 from conveyor.delivery.connections import Connections
 from conveyor.errors import PayloadInvalid, describe
@@ -121,6 +122,33 @@ class Continuations:
             # becomes a follower of the holder rather than vanishing into it.
             new.plan = self.recorder.dedup_plan(spec, model, None, "never")
             new.follow = True
+        return new
+
+    def child(self, stage: str, payload: Mapping[str, Any], options: Mapping[str, Any]) -> NewJob:
+        """The job a body's ``ctx.submit(stage, payload, **options)`` becomes, checked now
+        (an unknown stage, an invalid payload or option raise in the body); its owner and
+        the insert come at the completion (:meth:`insert`). ``options``: ``delay``,
+        ``run_at``, ``priority``, ``label``, ``max_attempts``, ``dedup``, ``reuse``,
+        ``idempotency_key``, ``job_id``, ``expires_in``."""
+        unknown = sorted(set(options) - _CHILD_OPTIONS)
+        if unknown:
+            raise TypeError(f"ctx.submit() got unexpected option(s): {', '.join(unknown)}")
+        spec = self.stages.spec(stage)
+        model = spec.validate(payload)
+        new = NewJob.submitted(
+            stage=spec.name,
+            queue=spec.queue,
+            payload=self.recorder.payload_of(spec, model),
+            max_attempts=options.get("max_attempts") or spec.max_attempts,
+            priority=spec.priority if options.get("priority") is None else int(options["priority"]),
+            label=options.get("label") or spec.label_for(model),
+            idempotency_key=options.get("idempotency_key"),
+            delay=float(options.get("delay") or 0.0),
+            expires_in=options.get("expires_in"),
+            run_at=utc_or_none(options.get("run_at")),
+            job_id=options.get("job_id"),
+        )
+        new.plan = self.recorder.dedup_plan(spec, model, options.get("dedup"), options.get("reuse", "never"))
         return new
 
     def next_jobs(
@@ -284,6 +312,22 @@ class Continuations:
         self.metrics.inc("dead", new.stage)
         new.status = s.DEAD
         return True
+
+
+_CHILD_OPTIONS = frozenset(
+    (
+        "delay",
+        "run_at",
+        "priority",
+        "label",
+        "max_attempts",
+        "dedup",
+        "reuse",
+        "idempotency_key",
+        "job_id",
+        "expires_in",
+    )
+)
 
 
 def task_id_of(job: Row) -> str:

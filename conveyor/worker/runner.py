@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from celery import Task
@@ -39,11 +39,12 @@ from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
 from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, new_event
 from conveyor.wire import from_wire
-from conveyor.worker.admission import Admission, Slot
+from conveyor.worker.admission import Slot
 from conveyor.worker.completion import Completion
 from conveyor.worker.context import ContextServices, JobContext
 from conveyor.worker.continuations import seen_as_job
 from conveyor.worker.flow import Flow
+from conveyor.worker.gate import Gate, queue_of
 from conveyor.worker.heartbeat import Heartbeat
 from conveyor.worker.leases import Leases
 
@@ -62,7 +63,7 @@ class Runner:
         deduper: Deduplicator,
         stops: Stops,
         leases: Leases,
-        admission: Admission,
+        gate: Gate,
         heartbeat: Heartbeat,
         completion: Completion,
         flow: Flow,
@@ -74,12 +75,12 @@ class Runner:
         self.deduper = deduper
         self.stops = stops
         self.leases = leases
-        self.admission = admission
+        self.gate = gate
         self.heartbeat = heartbeat
         self.completion = completion
         self.flow = flow
         self.metrics = metrics
-        self.context_services = ContextServices(connections, store, stops)
+        self.context_services = ContextServices(connections, store, stops, completion.continuations)
         self.queue_names = frozenset(q.name for q in connections.queues)
         # Copies of jobs that were not run (duplicates, ended, not due): job, reason, task id.
         self.discarded_stream = f"{connections.settings.key_prefix}discarded"
@@ -109,7 +110,7 @@ class Runner:
         try:
             job_id = _header(req, JOB_HEADER)
             if job_id is not None:
-                slot = self._admit(spec, req, job_id)
+                slot = self.gate.admit(spec, req, job_id)
             claim: Claim | None = None
             lane = self.connections.lane
             if job_id is not None and lane is not None:
@@ -134,7 +135,7 @@ class Runner:
         except Exception as exc:
             if not is_connection_loss(exc):
                 raise
-            self._release_slot(slot)
+            self.gate.release(slot)
             log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
             time.sleep(self.connections.settings.infra_backoff)
             raise Reject(exc, requeue=True) from None
@@ -153,7 +154,7 @@ class Runner:
             assert job is not None
             self.metrics.inc("claimed", spec.name)
             return self._run(task, spec, job, slot)
-        self._release_slot(slot)
+        self.gate.release(slot)
         if claim.outcome in (ClaimOutcome.WORKER_LOST, ClaimOutcome.REQUEUES_EXHAUSTED):
             assert job is not None
             self.flow.bury_lost(job, requeues=claim.outcome is ClaimOutcome.REQUEUES_EXHAUSTED)
@@ -180,36 +181,6 @@ class Runner:
         raise Ignore()
 
     # -- running ------------------------------------------------------------------------
-
-    def _admit(self, spec: StageSpec, req: Any, job_id: str) -> Slot | None:
-        """Check the queue's rate limit and the stage's concurrency cap before the claim.
-
-        Over a limit, the job is parked ``throttled`` (visible, never dropped) and this
-        delivery is acked; the relay publishes the job again when its ``run_at`` comes.
-        """
-        queue = _queue_of(req, spec, self.queue_names)
-        rate = self.connections.settings.rate_limits.get(queue)
-        if rate is None and spec.concurrency is None:
-            return None
-        verdict = self.admission.check(
-            queue=queue, rate=rate, stage=spec.name, concurrency=spec.concurrency, job_id=job_id
-        )
-        if verdict.reason is None:
-            return verdict.slot
-        body = {"stage": spec.name, "queue": queue, "reason": verdict.reason}
-        with self.connections.engine.begin() as conn:
-            parked = self.store.throttle(conn, job_id, wait=verdict.wait, body=body)
-        if not parked:
-            return None  # not waiting to be claimed: the claim below says why
-        self.metrics.inc("throttled", spec.name)
-        raise Ignore()
-
-    def _release_slot(self, slot: Slot | None) -> None:
-        if slot is not None:
-            try:
-                self.admission.release(slot)
-            except Exception:  # the slot expires on its own
-                log.warning("could not release concurrency slot %s", slot.key, exc_info=True)
 
     def _run(self, task: Task, spec: StageSpec, job: Row, slot: Slot | None = None) -> Any:
         """The body and its completion inside a ``conveyor.run <stage>`` span, a child of the
@@ -291,7 +262,7 @@ class Runner:
         finally:
             self.heartbeat.track(None)
             ctx.close()
-            self._release_slot(slot)
+            self.gate.release(slot)
             if ctx.held is not None:
                 self.leases.release(ctx.held, ctx.job_id)
 
@@ -383,7 +354,7 @@ class Runner:
         new = NewJob(
             id=task_id,
             stage=spec.name,
-            queue=_queue_of(req, spec, self.queue_names),
+            queue=queue_of(req, spec, self.queue_names),
             payload={},
             max_attempts=spec.max_attempts,
             label=spec.name,
@@ -474,14 +445,6 @@ def _header(req: Any, name: str) -> str | None:
     if value is None and isinstance(getattr(req, "headers", None), dict):
         value = req.headers.get(name)
     return str(value) if value else None
-
-
-def _queue_of(req: Any, spec: StageSpec, known: Container[str]) -> str:
-    """The queue a delivery came from, if it is one of the deployment's, else the stage's
-    own (Celery's default queue is no home for a job: the relay republishes to this)."""
-    info = getattr(req, "delivery_info", None) or {}
-    routing_key = info.get("routing_key")
-    return str(routing_key) if routing_key in known else spec.queue
 
 
 def _headers_of(req: Any) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,31 +177,52 @@ def files_check(platform: Platform) -> list[tuple[str, bool, str]]:
 def peers() -> Iterator[dict[str, str]]:
     """The local peers the families talk to (``demo_peers``): started before the demo's
     worker, whose extra environment (yielded) names them."""
-    from config import HAS_EMAIL
+    from config import HAS_EMAIL, HAS_PUBLISHER
 
-    if not HAS_EMAIL:
-        yield {}
-        return
-    from pipelines.email.demo import peers as email_peers
+    with ExitStack() as stack:
+        env: dict[str, str] = {}
+        if HAS_EMAIL:
+            from pipelines.email.demo import peers as email_peers
 
-    with email_peers() as env:
+            env.update(stack.enter_context(email_peers()))
+        if HAS_PUBLISHER:
+            from pipelines.publisher.demo import peers as publisher_peers
+
+            env.update(stack.enter_context(publisher_peers()))
         yield env
+
+
+def family_starts(platform: Platform) -> None:
+    """What a family's check needs started early (the publisher's posts, one of them held
+    by a window that ends while the rest of the demo runs)."""
+    from config import HAS_PUBLISHER
+
+    if HAS_PUBLISHER:
+        from pipelines.publisher.demo import start as publisher_start
+
+        publisher_start(platform)
 
 
 def family_checks(platform: Platform) -> list[tuple[str, bool, str]]:
     """Each installed family's own check, through the peers :func:`peers` started."""
-    from config import HAS_EMAIL
+    from config import HAS_EMAIL, HAS_PUBLISHER
 
-    if not HAS_EMAIL:
-        return []
-    from pipelines.email.demo import check as email_check
+    results: list[tuple[str, bool, str]] = []
+    if HAS_EMAIL:
+        from pipelines.email.demo import check as email_check
 
-    return email_check(platform)
+        results += email_check(platform)
+    if HAS_PUBLISHER:
+        from pipelines.publisher.demo import check as publisher_check
+
+        results += publisher_check(platform)
+    return results
 
 
 def self_check(platform: Platform, console: Console, *, jobs: int = 300) -> bool:
     """Run the self-check end to end; print a report; True when every assertion holds."""
     started = time.monotonic()
+    family_starts(platform)
     plan = submit_mix(platform, jobs=jobs)
     rows = wait_terminal(platform, plan.all(), console)
     results = check(platform, plan, rows) + files_check(platform) + family_checks(platform)

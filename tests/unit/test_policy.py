@@ -21,6 +21,36 @@ def test_backoff_is_exponential_jittered_and_capped() -> None:
     assert Backoff(jitter=False).delay(3, default_base=0.5, default_cap=100) == 2.0
 
 
+def test_backoff_takes_a_factor_and_keeps_its_jitter() -> None:
+    b = Backoff(base=2, cap=300, factor=3, jitter=False)
+    assert [b.delay(a, default_base=0, default_cap=0) for a in (1, 2, 3, 6)] == [2, 6, 18, 300]
+    jittered = Backoff(base=2, cap=300, factor=3)
+    assert all(9 <= jittered.delay(3, default_base=0, default_cap=0) <= 18 for _ in range(50))
+    with pytest.raises(ValueError, match="factor"):
+        Backoff(factor=0.5)
+
+
+def test_a_keyed_stage_counts_each_key_against_its_own_limit() -> None:
+    class P(BaseModel):
+        channel: str
+
+    def spec(**policy: object) -> StageSpec:
+        return StageSpec(name="a.b.c", fn=lambda c, p: None, payload=P, queue="q", max_attempts=1, **policy)  # type: ignore[arg-type]
+
+    assert spec().concurrency_of({"channel": "x"}) is None
+    assert spec(concurrency=3).concurrency_of({"channel": "x"}) == ("", 3)
+    keyed = spec(
+        concurrency=2,
+        concurrency_key="channel:{channel}",
+        concurrency_limit=lambda key: 5 if key == "channel:ig" else None,
+        concurrency_keys=(("channel:fb", 7),),
+    )
+    assert keyed.concurrency_of({"channel": "tw"}) == ("channel:tw", 2)
+    assert keyed.concurrency_of({"channel": "ig"}) == ("channel:ig", 5)
+    assert keyed.concurrency_of({"channel": "fb"}) == ("channel:fb", 7)  # CONVEYOR_STAGES wins
+    assert spec(concurrency_key="channel:{channel}").concurrency_of({"channel": "x"}) is None
+
+
 def test_explicit_schedule_repeats_last() -> None:
     s = Schedule((1, 5, 30, 120, 600))
     assert [s.delay(a, default_base=0, default_cap=0) for a in (1, 2, 5, 6, 9)] == [1, 5, 600, 600, 600]

@@ -88,6 +88,8 @@ def _example(name: str) -> dict[str, Any]:
             "recipient": {"externalId": "CUST-1", "email": "cliente@example.com"},
             "enqueuedAt": "2025-10-19T12:00:00Z",
         },
+        "conveyor.publisher.publish": {"post_id": "p1", "brand": "b", "channel": "instagram", "account": "a"},
+        "conveyor.publisher.first_comment": {"post_id": "c1", "media_id": "m1", "comment_hash": "0" * 64},
     }.get(name, {"n": 1, "file_id": "f1"})
 
 
@@ -212,7 +214,7 @@ def test_an_unknown_stage_lists_close_names(registry: dict[str, RegisteredStage]
     assert close_names("demo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.dmeo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.files.extrct", registry) == ["conveyor.files.extract"]
-    with pytest.raises(UnknownStage, match=r"18 are registered; list them with `conveyor stages`"):
+    with pytest.raises(UnknownStage, match=r"20 are registered; list them with `conveyor stages`"):
         lookup(registry, "conveyor.billing.charge")
     few = {n: registry[n] for n in ("conveyor.demo.noop", "conveyor.demo.pad")}
     with pytest.raises(UnknownStage, match=r"known stages: conveyor.demo.noop, conveyor.demo.pad$"):

@@ -1,0 +1,1 @@
+"""Scheduled publishing: the worker side (stages, Graph connectors, the post record)."""
