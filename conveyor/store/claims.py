@@ -11,6 +11,7 @@ claims that did not count.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -109,6 +110,34 @@ class Claims:
             if status == s.EXPIRED and self.expired_hook is not None:
                 self.expired_hook(conn, job)
         return ok
+
+    def throttle(
+        self,
+        conn: Connection,
+        job_id: str,
+        *,
+        wait: float,
+        body: Mapping[str, Any],
+        topic: str = "job.rate_limited",
+        until: dt.datetime | None = None,
+    ) -> bool:
+        """Park a due, claimable job as ``throttled`` until ``run_at = until`` (else now +
+        ``wait``), with a ``topic`` event. False if the job is not waiting to be claimed (the
+        delivery goes on to its claim, which says why)."""
+        res = conn.execute(
+            update(jobs)
+            .where(jobs.c.id == job_id, jobs.c.status.in_(s.CLAIMABLE), jobs.c.run_at <= db_now())
+            .values(
+                status=s.THROTTLED,
+                run_at=until if until is not None else db_now_plus(wait),
+                published_at=None,
+                updated_at=db_now(),
+            )
+        )
+        if res.rowcount != 1:
+            return False
+        self.emit(conn, [new_event(job_id, topic, {**body, "wait": round(wait, 3)})])
+        return True
 
     def unthrottle(self, conn: Connection, job_id: str, *, topic: str, body: Mapping[str, Any]) -> bool:
         """A ``throttled`` job due now (a slot it waits for freed): ``queued``, unpublished."""

@@ -245,34 +245,6 @@ class JobStore(Claims):
             "event": {"stage": job.stage},
         }
 
-    def throttle(
-        self,
-        conn: Connection,
-        job_id: str,
-        *,
-        wait: float,
-        body: Mapping[str, Any],
-        topic: str = "job.rate_limited",
-        until: dt.datetime | None = None,
-    ) -> bool:
-        """Park a due, claimable job as ``throttled`` until ``run_at = until`` (else now +
-        ``wait``), with a ``topic`` event. False if the job is not waiting to be claimed (the
-        delivery goes on to its claim, which says why)."""
-        res = conn.execute(
-            update(jobs)
-            .where(jobs.c.id == job_id, jobs.c.status.in_(s.CLAIMABLE), jobs.c.run_at <= db_now())
-            .values(
-                status=s.THROTTLED,
-                run_at=until if until is not None else db_now_plus(wait),
-                published_at=None,
-                updated_at=db_now(),
-            )
-        )
-        if res.rowcount != 1:
-            return False
-        self.emit(conn, [new_event(job_id, topic, {**body, "wait": round(wait, 3)})])
-        return True
-
     def rerun(self, conn: Connection, job: NewJob, *, budget: int, upstream: str) -> bool:
         """Its upstream completed again (after a DLQ retry): give ``job`` the new input.
 

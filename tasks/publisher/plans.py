@@ -23,6 +23,7 @@ from tasks.publisher.settings import CHANNELS
 MAX_CAPTION = 2200  # Instagram's limit; Facebook allows more, but one bound serves both
 MAX_MEDIA = 10
 MAX_COMMENT = 2200
+EDGE = dt.timedelta(days=1)  # room for a day's arithmetic either side (windows, checks)
 _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,100}")
 
 
@@ -83,7 +84,12 @@ def parse_time(value: Any, *, field: str = "scheduled_at") -> dt.datetime:
         )
     if value.tzinfo is None or value.utcoffset() is None:
         raise PlanInvalid(field, "the time has no offset: give one (e.g. +01:00 or Z)")
-    return value.astimezone(dt.UTC)
+    try:
+        utc = value.astimezone(dt.UTC)
+        _ = utc - EDGE, utc + EDGE
+    except OverflowError:
+        raise PlanInvalid(field, "out of range (years 1 to 9999)") from None
+    return utc
 
 
 def render(template: str, placeholders: Mapping[str, Any] | None) -> str:

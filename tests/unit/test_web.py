@@ -65,6 +65,14 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/email/messages", "post"),
         ("/email/messages/{outbox_id}", "get"),
         ("/email/messages/{outbox_id}/resolve", "post"),
+        # the publisher family's (pipelines.publisher.http)
+        ("/publisher/jobs", "post"),
+        ("/publisher/jobs", "get"),
+        ("/publisher/jobs/test", "post"),
+        ("/publisher/jobs/{post_id}", "get"),
+        ("/publisher/jobs/{post_id}", "patch"),
+        ("/publisher/jobs/{post_id}/cancel", "post"),
+        ("/publisher/jobs/{post_id}/replay", "post"),
     }
     for path, _, op in operations:
         assert (op.get("security") == [{"bearer": []}]) == (path != "/health")
