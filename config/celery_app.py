@@ -16,12 +16,11 @@ from conveyor.platform import Platform
 from conveyor.worker.step import install
 
 # A family whose extra is not installed is left out (config/__init__.py), and says so.
-if not HAS_FILES:
-    logging.getLogger("conveyor").warning("the files family is off: install conveyor[files] to run it")
-if not HAS_EMAIL:
-    logging.getLogger("conveyor").warning("the email family is off: install conveyor[email] to run it")
-if not HAS_PUBLISHER:
-    logging.getLogger("conveyor").warning("the publisher family is off: install conveyor[publisher] to run it")
+for _family, _installed in (("files", HAS_FILES), ("email", HAS_EMAIL), ("publisher", HAS_PUBLISHER)):
+    if not _installed:
+        logging.getLogger("conveyor").warning(
+            "the %s family is off: install conveyor[%s] to run it", _family, _family
+        )
 
 TASK_MODULES = [
     "tasks.demo",

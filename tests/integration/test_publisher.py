@@ -18,11 +18,11 @@ from pipelines.publisher import (
     PostConflict,
     PostNotFound,
     cancel_post,
+    check_post,
     edit_post,
     replay_post,
     schedule_post,
     show_post,
-    check_post,
 )
 from pipelines.publisher.peers import GraphPeer
 from tasks.publisher import tables as t
@@ -235,7 +235,7 @@ def test_bad_plans_are_refused_naming_the_field(
 def test_an_account_without_a_token_is_refused(platform: Any, peer: GraphPeer, tag: str) -> None:
     with (
         publisher_settings(platform, peer, tokens={"known": "x"}),
-        pytest.raises(PayloadInvalid, match="^account"),
+        pytest.raises(PayloadInvalid, match=r"^account"),
     ):
         schedule_post(platform, plan(tag))
 
