@@ -28,14 +28,17 @@ from conveyor.delivery.ratelimit import TokenBuckets
 from conveyor.settings import RateLimit
 
 # A counting semaphore per stage: members expire unless renewed (a killed worker's slot
-# comes back after the TTL). Returns 1 if ``member`` holds a slot.
+# comes back after the TTL). Returns 1 if ``member`` took a slot, 2 if it held one already
+# (another copy of the job runs with it, or ran until its worker died), 0 if refused.
 _TAKE_SLOT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZSCORE', KEYS[1], ARGV[2]) or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
+local held = redis.call('ZSCORE', KEYS[1], ARGV[2])
+if held or redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[2])
   redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+  if held then return 2 end
   return 1
 end
 return 0
@@ -60,10 +63,12 @@ return 0
 
 @dataclass(frozen=True)
 class Slot:
-    """A held concurrency slot of a stage."""
+    """A held concurrency slot of a stage. ``fresh``: this delivery took it; else the job
+    held it already (a copy of it runs, or ran), and only a run of the job gives it back."""
 
     key: str
     member: str
+    fresh: bool = True
 
 
 @dataclass(frozen=True)
@@ -118,13 +123,14 @@ class Admission:
         slot = None
         if concurrency is not None:
             slot = Slot(self.slot_key(stage, key), job_id)
-            took = self._run(_TAKE_SLOT, [slot.key], concurrency, slot.member, self.slot_ttl_ms)
-            if not int(took):
+            took = int(self._run(_TAKE_SLOT, [slot.key], concurrency, slot.member, self.slot_ttl_ms))
+            if not took:
                 return Verdict(wait=self.busy_wait, reason="concurrency")
+            slot = Slot(slot.key, slot.member, fresh=took == 1)
         if rate is not None:
             wait = self.buckets.take(queue, rate, job_id)
             if wait > 0:
-                if slot is not None:
+                if slot is not None and slot.fresh:
                     self.release(slot)
                 return Verdict(wait=wait, reason="rate")
         return Verdict(slot=slot)

@@ -141,6 +141,12 @@ class Gate:
             self.metrics.inc("throttled", spec.name)
         return parked
 
+    def give_back(self, slot: Slot | None) -> None:
+        """A delivery that will not run gives back the slot it took; one its job held
+        already (another copy of the job runs with it) stays with that copy."""
+        if slot is not None and slot.fresh:
+            self.release(slot)
+
     def release(self, slot: Slot | None) -> None:
         """Give a slot back and wake the longest-parked job waiting for one of its key."""
         if slot is None:

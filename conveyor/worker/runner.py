@@ -135,7 +135,7 @@ class Runner:
         except Exception as exc:
             if not is_connection_loss(exc):
                 raise
-            self.gate.release(slot)
+            self.gate.give_back(slot)
             log.warning("infrastructure error before claim (%s); requeueing", type(exc).__name__)
             time.sleep(self.connections.settings.infra_backoff)
             raise Reject(exc, requeue=True) from None
@@ -154,7 +154,7 @@ class Runner:
             assert job is not None
             self.metrics.inc("claimed", spec.name)
             return self._run(task, spec, job, slot)
-        self.gate.release(slot)
+        self.gate.give_back(slot)
         if claim.outcome in (ClaimOutcome.WORKER_LOST, ClaimOutcome.REQUEUES_EXHAUSTED):
             assert job is not None
             self.flow.bury_lost(job, requeues=claim.outcome is ClaimOutcome.REQUEUES_EXHAUSTED)

@@ -414,13 +414,15 @@ class GraphPeer:
             for name, value in headers.items():
                 handler.send_header(name, value)
             handler.end_headers()
+            with self._lock:  # stamped before the reply leaves: the client's next request starts later
+                record.ended, record.status = time.monotonic(), status
             handler.wfile.write(data)
         except OSError:
             handler.close_connection = True  # the client went away (killed while we held the reply)
         finally:
             with self._lock:
-                record.ended = time.monotonic()
-                record.status = status
+                if record.ended is None:
+                    record.ended, record.status = time.monotonic(), status
 
 
 def _parts(path: str) -> list[str]:

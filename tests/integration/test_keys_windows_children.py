@@ -107,6 +107,23 @@ def test_a_job_over_its_keys_limit_waits_for_a_slot_of_its_key_only(
     assert "job.unparked" in _topics(waiting) and job_row(platform, waiting.id)["attempts"] == 1
 
 
+def test_a_copy_of_a_running_job_never_gives_back_the_slot_the_job_runs_with(
+    platform: Any, declared: Any, tag: str
+) -> None:
+    admission, gate = platform.admission, platform.runner.gate
+    take = lambda job: admission.check(  # noqa: E731
+        queue="demo", rate=None, stage=f"{PREFIX}keyed", concurrency=1, job_id=job, key=f"k:{tag}"
+    )
+    running = take(f"job-{tag}").slot
+    assert running is not None and running.fresh
+    copy = take(f"job-{tag}").slot  # a second delivery of the same job (a wake and the relay)
+    assert copy is not None and not copy.fresh
+    gate.give_back(copy)  # its claim found the job running: it does not run
+    assert take(f"other-{tag}").reason == "concurrency"  # the running job still holds it
+    gate.release(running)
+    assert take(f"other-{tag}").slot is not None
+
+
 def test_a_job_due_inside_a_blackout_window_is_parked_until_its_end(
     platform: Any, declared: Any, worker: Any, tag: str
 ) -> None:
