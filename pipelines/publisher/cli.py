@@ -115,7 +115,13 @@ def schedule(
         elif as_json:
             print_json(done.as_dict())
         else:
-            print_lines([f"{done.id}{' (existing)' if done.existing else ''}"])
+            print_lines([done.id])
+            if done.existing:
+                err.print(
+                    f"{done.id}: an existing post (the same plan), nothing written",
+                    markup=False,
+                    soft_wrap=True,
+                )
         return 0
 
     # Safe to run again after a lost connection: the plan's key makes it the same post.

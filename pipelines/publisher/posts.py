@@ -29,7 +29,7 @@ from conveyor.store.db.schema import dead_letters
 from tasks.publisher import record
 from tasks.publisher import tables as t
 from tasks.publisher.models import STAGE
-from tasks.publisher.plans import Normalized, PlanInvalid, iso, normalize, parse_time
+from tasks.publisher.plans import Normalized, PlanInvalid, idempotency_key, iso, normalize, parse_time
 from tasks.publisher.settings import PublisherSettings, publisher_settings_of
 
 
@@ -194,15 +194,27 @@ def edit_post(
     pending, its job has started, or the new key is another post's."""
     with platform.engine.begin() as conn:
         row = _pending(conn, post_id)
+        media_before = tuple(row["media"] or ())
+        derived = idempotency_key(
+            row["brand"],
+            row["channel"],
+            row["account"],
+            _aware(row["scheduled_at"]),
+            media_before,
+            row["caption"],
+        )
         normalized = normalize(
             brand=row["brand"],
             channel=row["channel"],
             account=row["account"],
-            caption=row["caption"] if caption is None else caption,
+            # The stored caption is rendered text: its braces are literal, not placeholders.
+            caption=_literal(row["caption"]) if caption is None else caption,
             scheduled_at=row["scheduled_at"] if scheduled_at is None else parse_time(scheduled_at),
             media=tuple(row["media"] if media is None else media),
             placeholders=placeholders,
             first_comment=row["first_comment"],
+            # A caller's own key stays the post's key; a derived one is derived again.
+            idempotency_key_given=None if row["idempotency_key"] == derived else row["idempotency_key"],
         )
         other = _by_key(conn, normalized.channel, normalized.idempotency_key)
         if other is not None and other["id"] != post_id:
@@ -229,6 +241,9 @@ def edit_post(
 def cancel_post(platform: Platform, post_id: str, *, by: str = "api") -> dict[str, Any]:
     """Cancel a ``pending`` post: ``cancelled``, and its job cancelled."""
     with platform.engine.begin() as conn:
+        found = record.get(conn, post_id, lock=True)
+        if found is not None and found["status"] == t.CANCELLED:
+            return show_post(platform, post_id)  # cancelled already: the same answer again
         row = _pending(conn, post_id)
         if not record.move(
             conn, post_id, t.CANCELLED, only_from=(t.PENDING,), last_error=f"cancelled by {by}"
@@ -304,7 +319,13 @@ def check_post(
     limit = settings.channel_concurrency.get(channel, 2)
     lo, hi = when - dt.timedelta(seconds=60), when + dt.timedelta(seconds=60)
     live = t.posts.c.status.in_((t.PENDING, t.RUNNING))
-    near = or_(t.posts.c.status == t.RUNNING, t.posts.c.scheduled_at.between(lo, hi))
+    # Running posts hold their channel and account now: they count for a time about now.
+    soon = abs((when - dt.datetime.now(dt.UTC)).total_seconds()) <= 60
+    near = (
+        or_(t.posts.c.status == t.RUNNING, t.posts.c.scheduled_at.between(lo, hi))
+        if soon
+        else (t.posts.c.scheduled_at.between(lo, hi))
+    )
     with platform.engine.connect() as conn:
         on_channel = conn.execute(
             select(func.count()).select_from(t.posts).where(t.posts.c.channel == channel, live, near)
@@ -377,7 +398,10 @@ def _new_record(post_id: str, n: Normalized, owner: str | None) -> dict[str, Any
 
 
 def _by_key(conn: Connection, channel: str, key: str) -> Mapping[str, Any] | None:
-    query = select(t.posts).where(t.posts.c.channel == channel, t.posts.c.idempotency_key == key)
+    """The live (not cancelled) record of a plan's key."""
+    query = select(t.posts).where(
+        t.posts.c.channel == channel, t.posts.c.idempotency_key == key, t.posts.c.status != t.CANCELLED
+    )
     return conn.execute(query).mappings().first()
 
 
@@ -392,6 +416,10 @@ def _pending(conn: Connection, post_id: str) -> Mapping[str, Any]:
 
 def _not_pending(post_id: str, status: str) -> PostConflict:
     return PostConflict("post-not-pending", f"post {post_id} is {status}: only a pending post changes")
+
+
+def _literal(caption: str) -> str:
+    return caption.replace("{", "{{").replace("}", "}}")
 
 
 def _aware(value: Any) -> dt.datetime:

@@ -129,10 +129,12 @@ def media_hash(media: Sequence[str]) -> str:
 
 
 def idempotency_key(
-    brand: str, channel: str, scheduled_at: dt.datetime, media: Sequence[str], caption: str
+    brand: str, channel: str, account: str, scheduled_at: dt.datetime, media: Sequence[str], caption: str
 ) -> str:
-    """The seed's key: ``sha256(brand + channel + scheduled_at UTC + media_hash + caption_hash)``."""
-    return _sha256(brand + channel + iso(scheduled_at) + media_hash(media) + _sha256(caption))
+    """The seed's key, with the account: ``sha256(brand, channel, account, scheduled_at UTC,
+    media_hash, caption_hash)`` joined by line breaks (the same copy on two pages at once is two posts)."""
+    parts = (brand, channel, account, iso(scheduled_at), media_hash(media), _sha256(caption))
+    return _sha256("\n".join(parts))  # names never hold a line break: no two plans join alike
 
 
 def normalize(
@@ -171,12 +173,20 @@ def normalize(
     if channel == "instagram" and not items:
         raise PlanInvalid("media", "an Instagram post needs an image (media)")
     when = parse_time(scheduled_at)
+    for field, value in (
+        ("caption", text),
+        *((f"media[{i}]", u) for i, u in enumerate(items)),
+        ("first_comment", first_comment or ""),
+    ):
+        if "\x00" in value:
+            raise PlanInvalid(field, "a NUL character cannot be stored")
     comment = None
     if first_comment is not None:
-        comment = normalize_comment(first_comment)
+        # Stored as written (line breaks kept); only its hash uses the normalised text.
+        comment = first_comment.strip()
         if channel != "instagram":
             raise PlanInvalid("first_comment", "a first comment is for Instagram posts")
-        if not comment or len(comment) > MAX_COMMENT:
+        if not normalize_comment(comment) or len(comment) > MAX_COMMENT:
             raise PlanInvalid("first_comment", f"1-{MAX_COMMENT} characters are required")
     given = idempotency_key_given
     if given is not None and (not isinstance(given, str) or not 1 <= len(given) <= 128):
@@ -184,7 +194,7 @@ def normalize(
     if given is not None:
         key, derived = given, False
     elif has_plan:
-        key, derived = idempotency_key(brand, channel, when, items, text), True
+        key, derived = idempotency_key(brand, channel, account, when, items, text), True
     else:
         import uuid
 

@@ -345,6 +345,7 @@ def post_first_comment(
         only_from=(t.RUNNING,),
         remote_id=remote_id,
         completed_at=db_now(),
+        last_error=None,
     )
     ctx.emit(
         "publisher.first_comment",

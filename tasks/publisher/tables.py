@@ -9,7 +9,7 @@ dead-letter transaction); ``cancelled`` by an operator. ``job_id`` is its curren
 
 from __future__ import annotations
 
-from sqlalchemy import JSON, Column, Index, Integer, MetaData, String, Table, Text, UniqueConstraint
+from sqlalchemy import JSON, Column, Index, Integer, MetaData, String, Table, Text, text
 
 from conveyor.store.db.dialect import Timestamp
 from conveyor.store.db.namespace import SCHEMA, own
@@ -51,7 +51,15 @@ posts = Table(
     Column("created_at", Timestamp(), nullable=False),
     Column("updated_at", Timestamp(), nullable=False),
     Column("completed_at", Timestamp(), nullable=True),
-    UniqueConstraint("channel", "idempotency_key", name="uq_publisher_jobs_channel_key"),
+    # One live post per plan; a cancelled one leaves the plan free (a partial index).
+    Index(
+        "uq_publisher_jobs_channel_key",
+        "channel",
+        "idempotency_key",
+        unique=True,
+        postgresql_where=text("status <> 'cancelled'"),
+        sqlite_where=text("status <> 'cancelled'"),
+    ),
     Index("ix_publisher_jobs_status", "status", "scheduled_at"),
     Index("ix_publisher_jobs_parent", "parent_id"),
 )

@@ -65,13 +65,13 @@ def test_an_instagram_post_and_its_first_comment_are_published_once(
     platform: Any, worker: Any, peer: GraphPeer, tag: str
 ) -> None:
     with publisher_settings(platform, peer):
-        done = schedule_post(platform, plan(tag, "instagram", first_comment="  First!   #launch "))
+        done = schedule_post(platform, plan(tag, "instagram", first_comment="  First!\n\n#launch "))
         assert platform.job(done.job_id).wait(30) == s.SUCCEEDED
         [child] = eventually(lambda: [c for c in children(platform, done.id) if c["status"] == t.COMPLETED])
     [media] = peer.media(f"acct-{tag}")
     assert post_row(platform, done.id)["remote_id"] == media["id"]
     [comment] = peer.comments(media["id"])
-    assert comment["text"] == "First! #launch" and child["remote_id"] == comment["id"]
+    assert comment["text"] == "First!\n\n#launch" and child["remote_id"] == comment["id"]
     assert child["type"] == t.FIRST_COMMENT
 
 
@@ -178,7 +178,7 @@ def test_edit_and_cancel_before_due(platform: Any, worker: Any, peer: GraphPeer,
         assert cancelled["status"] == t.CANCELLED
         assert platform.job(other.job_id).wait(10) == s.CANCELLED
         with pytest.raises(PostConflict):
-            cancel_post(platform, other.id)
+            edit_post(platform, other.id, caption="too late")
     with pytest.raises(PostNotFound):
         show_post(platform, "no-such-post")
 

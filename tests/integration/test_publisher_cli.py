@@ -69,7 +69,8 @@ def test_schedule_show_list_edit_and_cancel(platform: Any, tag: str) -> None:
     assert set(done) == {"id", "status", "idempotency_key", "job_id", "existing"}
     assert done["status"] == t.PENDING and done["existing"] is False and done["job_id"] == done["id"]
     again = conveyor(platform, *_plan(tag))
-    assert again.returncode == 0 and again.stdout.strip() == f"{done['id']} (existing)"
+    assert again.returncode == 0 and again.stdout.strip() == done["id"]  # $(…) gets the id alone
+    assert "existing" in again.stderr
 
     shown = conveyor(platform, "show", done["id"], "--json")
     assert shown.returncode == 0, shown.stderr
@@ -90,7 +91,9 @@ def test_schedule_show_list_edit_and_cancel(platform: Any, tag: str) -> None:
 
     cancelled = conveyor(platform, "cancel", done["id"])
     assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"{done['id']}: {t.CANCELLED}"
-    refused(conveyor(platform, "cancel", done["id"]), "post-not-pending")
+    twice = conveyor(platform, "cancel", done["id"])  # cancelled already: the same answer
+    assert twice.returncode == 0 and twice.stdout.strip() == f"{done['id']}: {t.CANCELLED}"
+    refused(conveyor(platform, "edit", done["id"], "--caption", "late"), "post-not-pending")
     refused(conveyor(platform, "replay", done["id"]), "post-not-failed")
     assert count(platform, f"brand-{tag}") == 1
 

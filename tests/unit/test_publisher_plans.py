@@ -35,12 +35,13 @@ def _plan(**changes: object) -> dict[str, object]:
     return values
 
 
-def test_the_key_is_the_seeds_sha256_of_the_plan_in_utc() -> None:
+def test_the_key_is_the_seeds_sha256_of_the_plan_in_utc_with_the_account() -> None:
     caption_hash = hashlib.sha256(b"Hello").hexdigest()
-    expected = hashlib.sha256(
-        ("acme" + "facebook" + "2026-03-29T07:00:00Z" + media_hash(()) + caption_hash).encode()
-    ).hexdigest()
-    assert idempotency_key("acme", "facebook", AT, (), "Hello") == expected
+    parts = ("acme", "facebook", "page-1", "2026-03-29T07:00:00Z", media_hash(()), caption_hash)
+    expected = hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    assert idempotency_key("acme", "facebook", "page-1", AT, (), "Hello") == expected
+    # The same copy on another page at the same time is another post.
+    assert idempotency_key("acme", "facebook", "page-2", AT, (), "Hello") != expected
     rome = normalize(**_plan(scheduled_at="2026-03-29T09:00:00+02:00"))  # type: ignore[arg-type]
     assert rome.idempotency_key == expected and rome.derived_key
     other = normalize(**_plan(caption="Hello!"))  # type: ignore[arg-type]
@@ -62,6 +63,14 @@ def test_a_caption_template_is_rendered_before_it_is_hashed() -> None:
         render("Hi {name", {})
 
 
+def test_a_first_comment_keeps_its_line_breaks_and_compares_normalised() -> None:
+    plan = normalize(  # type: ignore[arg-type]
+        **_plan(channel="instagram", media=("https://x/a.jpg",), first_comment="  Line one\n\n#a\n#b ")
+    )
+    assert plan.first_comment == "Line one\n\n#a\n#b"
+    assert comment_hash("m", plan.first_comment) == comment_hash("m", "Line one #a #b")
+
+
 def test_comments_compare_normalised() -> None:
     assert normalize_comment("  Caf\u0065\u0301   au\tlait ") == "Caf\u00e9 au lait"
     assert comment_hash("m1", "Café  au lait") == comment_hash("m1", " Cafe\u0301 au lait")
@@ -81,6 +90,7 @@ def test_comments_compare_normalised() -> None:
         ({"scheduled_at": "2026-03-29T09:00:00"}, "scheduled_at"),
         ({"scheduled_at": dt.datetime(2026, 3, 29, 9)}, "scheduled_at"),
         ({"scheduled_at": "soon"}, "scheduled_at"),
+        ({"caption": "nul\x00here"}, "caption"),
         ({"scheduled_at": "0001-01-01T00:30:00+01:00"}, "scheduled_at"),
         ({"scheduled_at": "9999-12-31T23:30:00+00:00"}, "scheduled_at"),
         ({"first_comment": "hi"}, "first_comment"),

@@ -48,7 +48,15 @@ def upgrade() -> None:
         sa.Column("created_at", Timestamp(), nullable=False),
         sa.Column("updated_at", Timestamp(), nullable=False),
         sa.Column("completed_at", Timestamp(), nullable=True),
-        sa.UniqueConstraint("channel", "idempotency_key", name="uq_publisher_jobs_channel_key"),
+    )
+    # A cancelled post leaves its plan free to be scheduled again.
+    op.create_index(
+        "uq_publisher_jobs_channel_key",
+        table,
+        ["channel", "idempotency_key"],
+        unique=True,
+        postgresql_where=sa.text("status <> 'cancelled'"),
+        sqlite_where=sa.text("status <> 'cancelled'"),
     )
     op.create_index("ix_publisher_jobs_status", table, ["status", "scheduled_at"])
     op.create_index("ix_publisher_jobs_parent", table, ["parent_id"])
