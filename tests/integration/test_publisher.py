@@ -26,6 +26,7 @@ from pipelines.publisher import (
 )
 from pipelines.publisher.peers import GraphPeer
 from tasks.publisher import tables as t
+from tasks.publisher.models import FIRST_COMMENT_STAGE
 from tests.helpers import dead_letter_for, eventually
 from tests.integration.publisher_support import (
     children,
@@ -73,6 +74,24 @@ def test_an_instagram_post_and_its_first_comment_are_published_once(
     [comment] = peer.comments(media["id"])
     assert comment["text"] == "First!\n\n#launch" and child["remote_id"] == comment["id"]
     assert child["type"] == t.FIRST_COMMENT
+
+
+def test_a_first_comment_asked_twice_is_one_comment(
+    platform: Any, worker: Any, peer: GraphPeer, tag: str
+) -> None:
+    with publisher_settings(platform, peer):
+        done = schedule_post(platform, plan(tag, "instagram", first_comment="Once only"))
+        assert platform.job(done.job_id).wait(30) == s.SUCCEEDED
+        [child] = eventually(lambda: [c for c in children(platform, done.id) if c["status"] == t.COMPLETED])
+        media_id = post_row(platform, done.id)["remote_id"]
+        payload = {"post_id": child["id"], "media_id": media_id, "comment_hash": child["idempotency_key"]}
+        again = platform.submit(FIRST_COMMENT_STAGE, payload)  # the stage's dedup: the same job
+        assert again.deduplicated and again.id == child["job_id"]
+        with platform.engine.begin() as conn:  # its record lost: the body runs again, and finds it
+            conn.execute(t.posts.update().where(t.posts.c.id == child["id"]).values(status=t.PENDING))
+        forced = platform.submit(FIRST_COMMENT_STAGE, payload, dedup=False)
+        assert forced.wait(30) == s.SUCCEEDED and forced.result["remote_id"] == child["remote_id"]
+    assert [c["text"] for c in peer.comments(media_id)] == ["Once only"]
 
 
 def test_one_plan_scheduled_fifty_times_at_once_is_one_record_and_one_post(
