@@ -268,3 +268,33 @@ def test_preview_and_test_insert_nothing(platform: Any, peer: GraphPeer, tag: st
         checked = check_post(platform, channel="facebook", account=f"acct-{tag}", at=now(), caption="x")
         assert checked["would_run"] and checked["blackout"] is None and checked["idempotency_key"]
     assert peer.requests == []
+
+
+def test_the_graph_token_is_never_written_anywhere(
+    platform: Any, worker: Any, tag: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A canary token through success, retry and dead-letter paths: in no log line, record,
+    event, dead letter or job row."""
+    canary = f"canary-token-{tag}"
+    caplog.set_level("DEBUG")
+    with (
+        GraphPeer(token=canary) as graph,
+        publisher_settings(platform, graph, retry_backoff={"base": 0.1, "max": 0.2}),
+    ):
+        graph.fail_next(1, status=500, path_contains=f"ok-{tag}")
+        ok = schedule_post(platform, plan(tag, account=f"ok-{tag}"))
+        graph.fail_next(1, status=400, code=190, path_contains=f"bad-{tag}")
+        bad = schedule_post(platform, plan(tag, account=f"bad-{tag}"))
+        assert platform.job(ok.job_id).wait(30) == s.SUCCEEDED
+        assert platform.job(bad.job_id).wait(30) == s.DEAD
+    with platform.engine.connect() as conn:
+        rows = [
+            *conn.execute(select(t.posts).where(t.posts.c.id.in_([ok.id, bad.id]))).mappings(),
+            *conn.execute(select(s.jobs).where(s.jobs.c.id.in_([ok.job_id, bad.job_id]))).mappings(),
+            *conn.execute(
+                select(s.job_events).where(s.job_events.c.job_id.in_([ok.job_id, bad.job_id]))
+            ).mappings(),
+            *conn.execute(select(s.dead_letters).where(s.dead_letters.c.job_id == bad.job_id)).mappings(),
+        ]
+    assert rows and all(canary not in repr(dict(r)) for r in rows)
+    assert canary not in caplog.text
