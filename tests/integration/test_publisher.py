@@ -8,6 +8,7 @@ import datetime as dt
 import threading
 from collections.abc import Iterator
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import pytest
 from sqlalchemy import func, select
@@ -205,13 +206,14 @@ def test_edit_and_cancel_before_due(platform: Any, worker: Any, peer: GraphPeer,
 def test_a_post_due_inside_a_blackout_window_waits_for_its_end(
     platform: Any, worker: Any, peer: GraphPeer, tag: str
 ) -> None:
+    rome = ZoneInfo("Europe/Rome")  # the window in local time; the wait and its end in UTC
     start = now()
     end = start + dt.timedelta(seconds=3)
     window = {
         "name": f"quiet-{tag}",
-        "start": start.strftime("%H:%M:%S"),
-        "end": end.strftime("%H:%M:%S"),
-        "timezone": "UTC",
+        "start": start.astimezone(rome).strftime("%H:%M:%S"),
+        "end": end.astimezone(rome).strftime("%H:%M:%S"),
+        "timezone": "Europe/Rome",
         "brands": [f"brand-{tag}"],
     }
     with publisher_settings(platform, peer, blackout_windows=[window]):
