@@ -367,18 +367,9 @@ def next_due(conn: Any) -> float | None:
     ).first()
     if row is None or row[0] is None:
         return None
-    due, now = _aware(row[0]), _aware(row[1])
-    if due is None or now is None:
-        return None
-    return max(0.0, (due - now).total_seconds())
-
-
-def _aware(value: Any) -> dt.datetime | None:
-    if isinstance(value, str):
-        value = dt.datetime.fromisoformat(value)
-    if not isinstance(value, dt.datetime):
-        return None
-    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+    # Both are the Timestamp type's: aware UTC datetimes on Postgres and SQLite alike.
+    due, now = row[0], row[1]
+    return max(0.0, float((due - now).total_seconds()))
 
 
 def _published_waiting() -> Any:

@@ -199,7 +199,7 @@ def edit_post(
             row["brand"],
             row["channel"],
             row["account"],
-            _aware(row["scheduled_at"]),
+            row["scheduled_at"],
             media_before,
             row["caption"],
         )
@@ -361,7 +361,7 @@ def shown(row: Mapping[str, Any]) -> dict[str, Any]:
         "caption": row["caption"],
         "media": list(row["media"] or []),
         "first_comment": row["first_comment"],
-        "scheduled_at": iso(_aware(row["scheduled_at"])),
+        "scheduled_at": iso(row["scheduled_at"]),
         "idempotency_key": row["idempotency_key"],
         "status": row["status"],
         "attempts": row["attempts"],
@@ -422,15 +422,10 @@ def _literal(caption: str) -> str:
     return caption.replace("{", "{{").replace("}", "}}")
 
 
-def _aware(value: Any) -> dt.datetime:
-    when = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(str(value))
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
-
-
 def _text(value: Any) -> str | None:
     if value is None:
         return None
-    return iso(_aware(value)) if isinstance(value, dt.datetime) else str(value)
+    return iso(value) if isinstance(value, dt.datetime) else str(value)
 
 
 __all__ = [

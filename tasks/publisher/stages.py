@@ -21,11 +21,10 @@ comment's child job (``ctx.submit``), deduplicated on ``(media_id, comment_hash)
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from sqlalchemy import Connection
 
@@ -132,6 +131,15 @@ def _failed_attempt(ctx: JobContext, post_id: str, exc: BaseException) -> None:
         record.move(conn, post_id, t.PENDING, only_from=(t.RUNNING,), last_error=record.error_text(exc))
 
 
+def _retry_later(ctx: JobContext, post_id: str, exc: GraphTransient) -> NoReturn:
+    """Graph failed for now: the record waits with the error, and the platform retries
+    (after Graph's ``Retry-After`` when it gave one, else on the stage's backoff)."""
+    _failed_attempt(ctx, post_id, exc)
+    if exc.retry_after is not None:
+        raise RetryRequested(str(exc), delay=exc.retry_after, cause=exc) from exc
+    raise exc
+
+
 # -- publish ------------------------------------------------------------------------------
 
 
@@ -152,10 +160,7 @@ def publish_post(ctx: JobContext, p: PublishPayload, settings: PublisherSettings
         else:
             remote_id, note = _instagram(ctx, client, row)
     except GraphTransient as exc:
-        _failed_attempt(ctx, p.post_id, exc)
-        if exc.retry_after is not None:
-            raise RetryRequested(str(exc), delay=exc.retry_after, cause=exc) from exc
-        raise
+        _retry_later(ctx, p.post_id, exc)
     except RetryRequested as exc:
         _failed_attempt(ctx, p.post_id, exc)
         raise
@@ -181,7 +186,7 @@ def publish_post(ctx: JobContext, p: PublishPayload, settings: PublisherSettings
 def _facebook(ctx: JobContext, client: GraphClient, row: Mapping[str, Any]) -> tuple[str, None]:
     account, caption = row["account"], row["caption"]
     if row["sending_at"] is not None:
-        found = client.find_feed_post(account, caption, _aware(row["sending_at"]))
+        found = client.find_feed_post(account, caption, row["sending_at"])
         if found is not None:
             return found, None
     with ctx.fenced() as conn:
@@ -200,7 +205,7 @@ def _instagram(ctx: JobContext, client: GraphClient, row: Mapping[str, Any]) -> 
     if container is not None:
         status = client.container_status(container)
         if status == "PUBLISHED":
-            found = client.find_media(account, caption, _aware(row["container_at"]))
+            found = client.find_media(account, caption, row["container_at"])
             return (found, None) if found is not None else (None, "published, id unknown")
         if status in ("FINISHED", "IN_PROGRESS"):
             _wait_finished(ctx, client, container, status)
@@ -276,11 +281,6 @@ def _result(row: Mapping[str, Any], remote_id: str | None) -> dict[str, Any]:
     return {"post_id": row["id"], "channel": row["channel"], "status": t.COMPLETED, "remote_id": remote_id}
 
 
-def _aware(value: Any) -> dt.datetime:
-    when = value if isinstance(value, dt.datetime) else dt.datetime.fromisoformat(str(value))
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
-
-
 def _label(p: PublishPayload) -> str:
     return f"{p.channel} post {p.post_id[:8]}"
 
@@ -334,10 +334,7 @@ def post_first_comment(
         )
         remote_id = existing or client.post_comment(p.media_id, str(row["caption"]))
     except GraphTransient as exc:
-        _failed_attempt(ctx, p.post_id, exc)
-        if exc.retry_after is not None:
-            raise RetryRequested(str(exc), delay=exc.retry_after, cause=exc) from exc
-        raise
+        _retry_later(ctx, p.post_id, exc)
     record.move(
         ctx.connection,
         p.post_id,
