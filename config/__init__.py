@@ -19,8 +19,12 @@ HAS_EMAIL = all(importlib.util.find_spec(m) is not None for m in EMAIL_EXTRA)
 PUBLISHER_EXTRA = ("tzdata",)
 HAS_PUBLISHER = all(importlib.util.find_spec(m) is not None for m in PUBLISHER_EXTRA)
 
+TRADING_EXTRA = ("httpx", "cryptography", "numpy")
+HAS_TRADING = all(importlib.util.find_spec(m) is not None for m in TRADING_EXTRA)
+
 CLI_EXTENSIONS = {
     **({"files": "pipelines.files.cli:app"} if HAS_FILES else {}),
     **({"email": "pipelines.email.cli:app"} if HAS_EMAIL else {}),
     **({"publisher": "pipelines.publisher.cli:app"} if HAS_PUBLISHER else {}),
+    **({"trading": "pipelines.trading.cli:app"} if HAS_TRADING else {}),
 }

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.schedules import crontab
+
 BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     "self-check-heartbeat": {
         "task": "conveyor.demo.noop",
@@ -15,4 +17,13 @@ BEAT_SCHEDULE: dict[str, dict[str, Any]] = {
     # Completes sealed batches whose chord counter was lost (Postgres owns completion),
     # sweeps dead uploads and what dead chunk attempts staged.
     "files-reconcile": {"task": "conveyor.files.reconcile", "schedule": 60.0, "options": {"expires": 50}},
+    # The trading family's weekly digests: Mondays 00:05 UTC, last ISO week, one digest per
+    # user with trades or a connection (each deduplicated by user and period: a second
+    # firing, or a beat that fires twice, adds nothing).
+    "trading-weekly-digests": {
+        "task": "conveyor.trading.digest_fanout",
+        "schedule": crontab(minute="5", hour="0", day_of_week="mon"),
+        "kwargs": {"week": None},
+        "options": {"expires": 6 * 3600},
+    },
 }

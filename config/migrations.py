@@ -14,6 +14,7 @@ FAMILY_MIGRATIONS = [
     ROOT / "tasks" / "files" / "migrations",
     ROOT / "tasks" / "email" / "migrations",
     ROOT / "tasks" / "publisher" / "migrations",
+    ROOT / "tasks" / "trading" / "migrations",
 ]
 
 

@@ -29,6 +29,12 @@ QUEUES = [
     # The publisher family: posts and first comments. Per-channel and per-account limits
     # are the stage's (CONVEYOR_PUBLISHER.channel_concurrency, one lease per account).
     quorum_queue("publisher", EXCHANGE),
+    # The trading family, one queue per seed worker; each stage's concurrency across all
+    # workers is CONVEYOR_TRADING.concurrency (the seed's 2, 2, 4, 1).
+    quorum_queue("q_import", EXCHANGE),
+    quorum_queue("q_score", EXCHANGE),
+    quorum_queue("q_sim", EXCHANGE),
+    quorum_queue("q_digest", EXCHANGE),
 ]
 
 DEFAULT_QUEUE = "default"

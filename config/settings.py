@@ -11,6 +11,7 @@ from conveyor.settings import ConveyorSettings
 from tasks.email.settings import EmailSettings
 from tasks.files.storage import S3Settings
 from tasks.publisher.settings import PublisherSettings
+from tasks.trading.settings import TradingSettings
 
 
 class FilesSettings(BaseModel):
@@ -38,6 +39,7 @@ class Settings(ConveyorSettings):
     email: EmailSettings = EmailSettings()  # CONVEYOR_EMAIL, JSON (tasks/email/settings.py)
     # CONVEYOR_PUBLISHER, JSON (tasks/publisher/settings.py)
     publisher: PublisherSettings = PublisherSettings()
+    trading: TradingSettings = TradingSettings()  # CONVEYOR_TRADING, JSON (tasks/trading/settings.py)
 
     def files_storage_dir(self) -> Path:
         """Where local file contents live."""

@@ -16,6 +16,8 @@
      ├── Interrupted               the job stops early at a checkpoint; not a failure
      │    ├── Preempted            a higher-priority job needs the lease: requeued, no attempt
      │    └── Cancelled            cancel() was called: the job ends ``cancelled``
+     ├── Deferred                  the body must wait (a peer's rate limit): the job is parked
+     │                             ``seconds``, its attempt uncounted, up to ``max_deferred``
      ├── SkipJob                   the body found nothing to do (e.g. its record moved on): the
      │                             job ends ``skipped`` with a result, and the flow continues
      ├── ConfigurationError        a stage or setting that cannot work (e.g. hard time limit
@@ -142,6 +144,20 @@ class Preempted(Interrupted):
 
 class Cancelled(Interrupted):
     """The job was cancelled by a user or the platform."""
+
+
+class Deferred(ConveyorError):
+    """Raised by a stage body: stop this attempt and run the job again in ``seconds``
+    (a peer's ``Retry-After``, a rate-limit window's reset). The job is parked
+    ``throttled`` until then, its lease released, the attempt uncounted (not a requeue
+    either), with a ``job.deferred {seconds, reason}`` event. The stage's ``max_deferred``
+    bounds the seconds a job may spend deferred in all; past it, the deferral counts as
+    an ordinary transient failure. ``reason`` is for people: name the peer, never a secret."""
+
+    def __init__(self, seconds: float, reason: str) -> None:
+        super().__init__(f"deferred {seconds:.3f}s: {reason}")
+        self.seconds = max(0.0, float(seconds))
+        self.reason = reason
 
 
 class SkipJob(ConveyorError):

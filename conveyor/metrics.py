@@ -31,6 +31,7 @@ COUNTERS = (
     "preempted",
     "cancelled",
     "throttled",
+    "deferred",
 )
 
 
@@ -66,7 +67,7 @@ class Metrics:
 
         for name in COUNTERS:
             self._counters[name] = Counter(f"conveyor_jobs_{name}_total", f"jobs {name}", ["stage"])
-        self._runtime = Histogram("conveyor_job_runtime_seconds", "stage body runtime", ["stage"])
+        self._runtime = Histogram("conveyor_job_runtime_seconds", "stage body runtime", ["stage", "status"])
         return directory
 
     def inc(self, name: str, stage: str, amount: int = 1) -> None:
@@ -75,10 +76,13 @@ class Metrics:
         if counter is not None:
             counter.labels(stage=stage).inc(amount)
 
-    def observe_runtime(self, stage: str, seconds: float) -> None:
-        """Record one body runtime."""
+    def observe_runtime(self, stage: str, seconds: float, status: str = "ok") -> None:
+        """Record one body runtime: ``status`` is ``ok`` when the body returned (the job
+        succeeded or was skipped), ``err`` when it raised a failure of the job (retried or
+        dead-lettered). A deferral, a preemption or cancellation, a worker's stop and
+        Conveyor's own outage are not the body's outcome and are not recorded."""
         if self._runtime is not None:
-            self._runtime.labels(stage=stage).observe(seconds)
+            self._runtime.labels(stage=stage, status=status).observe(seconds)
 
 
 _enabled = False

@@ -258,6 +258,7 @@ class Platform:
         concurrency_key: str | None = None,
         concurrency_limit: Callable[[str], int | None] | None = None,
         blackout: Callable[[Any], Iterable[Window]] | None = None,
+        max_deferred: float = 600.0,
         on_dead: Callable[[Any, Any, BaseException], Any] | None = None,
         on_retry: Callable[[Any, Any], None] | None = None,
         on_stalled: Callable[[Any, Any, int], None] | None = None,
@@ -285,6 +286,8 @@ class Platform:
         over its key's limit is parked and woken when a slot of that key frees.
         ``blackout(payload) -> windows`` (:class:`conveyor.calendar.Window`): a job due
         inside one is parked until the window ends, uncounted, with a ``job.blackout`` event.
+        A body that raises :class:`conveyor.errors.Deferred` is parked that long, uncounted,
+        up to ``max_deferred`` seconds in all (then a deferral counts as a transient failure).
         """
         register = self.stages.declare(
             name,
@@ -298,6 +301,7 @@ class Platform:
             concurrency_key=concurrency_key,
             concurrency_limit=concurrency_limit,
             blackout=blackout,
+            max_deferred=max_deferred,
             priority=priority,
             label=label,
             retry_on_timeout=retry_on_timeout,

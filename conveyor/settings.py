@@ -54,6 +54,9 @@ class StageOverride(BaseModel):
         default_factory=dict,
         description='a keyed stage\'s limit for one key, e.g. {"channel:instagram": 3}',
     )
+    max_deferred: float | None = Field(
+        None, ge=0, description="seconds a job may spend parked by Deferred in all (default 600)"
+    )
 
 
 class ConveyorSettings(BaseSettings):

@@ -61,6 +61,8 @@ class StageSpec:
     concurrency_keys: tuple[tuple[str, int], ...] = ()
     # ``blackout(payload) -> windows``: a job due inside one waits, parked, for its end.
     blackout: Callable[[Any], Iterable[Window]] | None = None
+    # Seconds a job may spend parked by ``Deferred`` in all; past it a deferral counts.
+    max_deferred: float = 600.0
     # Called in the dead-letter transaction (connection, payload, error); its return value
     # goes on down the flow instead of the error, so a chord never waits on a dead member.
     on_dead: Callable[[Any, Any, BaseException], Any] | None = None

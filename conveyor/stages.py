@@ -81,6 +81,8 @@ class Stages(dict[str, StageSpec]):
                 f"stage {name}: hard time limit {hard}s must be below the {what} {bound}s"
             )
         attempts = override.max_attempts or max_attempts or settings.default_max_attempts
+        if override.max_deferred is not None:
+            policy["max_deferred"] = override.max_deferred
         if policy.get("idempotency", "key") not in ("key", "strict"):
             raise ConfigurationError(f"stage {name}: idempotency must be 'key' or 'strict'")
 

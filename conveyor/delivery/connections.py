@@ -25,11 +25,13 @@ from conveyor.delivery.amqp import AmqpEpoch
 from conveyor.delivery.broker import Broker, KwargsRepr
 from conveyor.delivery.celeryconfig import PLACEHOLDER_BROKER, celery_config
 from conveyor.delivery.fastpath import FastPath
+from conveyor.delivery.wakeups import Announcer, events_channel
 from conveyor.errors import NotRunning
 from conveyor.settings import ConveyorSettings
 from conveyor.store.db.dialect import is_sqlite
 from conveyor.store.db.engine import keepalive_args, make_engine
 from conveyor.store.db.lane import Lane
+from conveyor.store.events import announce_commits, outbox_committed
 
 # What ``celery_config`` derives from the service URLs (the rest of the app's config stays).
 BROKER_KEYS = (
@@ -124,7 +126,14 @@ class Connections:
                             self.settings.db_keepalives_count,
                         ),
                     )
+                    announce_commits(
+                        self._engine, Announcer(self._wake_url, events_channel(self.settings.key_prefix))
+                    )
         return self._engine
+
+    def _wake_url(self) -> str | None:
+        url = self.settings.redis_url
+        return None if not url or url == PLACEHOLDER_BROKER else url
 
     @contextmanager
     def autocommit(self) -> Iterator[Connection]:
@@ -145,7 +154,7 @@ class Connections:
         if self._lane is None or self._lane.engine is not engine:
             if is_sqlite(engine):
                 return None
-            self._lane = Lane(engine, self.settings.db_schema)
+            self._lane = Lane(engine, self.settings.db_schema, announce=lambda: outbox_committed(engine))
         return self._lane
 
     @property

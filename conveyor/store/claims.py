@@ -292,6 +292,52 @@ class Claims:
         self.emit(conn, [new_event(job_id, topic, body)])
         return "released"
 
+    def defer(
+        self, conn: Connection, job_id: str, attempt: int, owner: str, *, seconds: float, reason: str
+    ) -> bool:
+        """CAS ``running → throttled`` until database now + ``seconds`` for an attempt that
+        raised :class:`~conveyor.errors.Deferred`: uncounted (not a requeue), lease owner
+        cleared, a ``job.deferred`` event. False if the attempt no longer owns the job."""
+        res = conn.execute(
+            update(jobs)
+            .where(
+                jobs.c.id == job_id,
+                jobs.c.status == s.RUNNING,
+                jobs.c.lease_owner == owner,
+                jobs.c.attempts == attempt,
+            )
+            .values(
+                status=s.THROTTLED,
+                run_at=db_now_plus(seconds),
+                published_at=None,
+                lease_owner=None,
+                uncounted=jobs.c.uncounted + 1,
+                updated_at=db_now(),
+                preempt_requested_at=None,
+                interrupt_sent_at=None,
+            )
+        )
+        if res.rowcount != 1:
+            return False
+        body = {"seconds": round(seconds, 3), "reason": reason[:500], "attempt": attempt}
+        self.emit(conn, [new_event(job_id, "job.deferred", body)])
+        return True
+
+    def deferred_so_far(self, conn: Connection, job_id: str) -> float:
+        """Seconds ``job_id`` has been deferred in all (its ``job.deferred`` events)."""
+        rows = conn.execute(
+            select(job_events.c.body).where(
+                job_events.c.job_id == job_id, job_events.c.topic == "job.deferred"
+            )
+        )
+        total = 0.0
+        for (body,) in rows:
+            try:
+                total += float((body or {}).get("seconds", 0))
+            except (TypeError, ValueError, AttributeError):
+                continue
+        return total
+
     def _take(
         self, conn: Connection, job_id: str, cond: Any, *, owner: str, task_id: str
     ) -> RowMapping | None:

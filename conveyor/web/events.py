@@ -8,14 +8,19 @@ Filters: ``job`` (its id), ``flow`` (a flow's root job id: a job alone is its ow
 ``batch`` (events whose body carries that ``batch_id``; see :mod:`conveyor.web.feed`).
 
 Open streams end when :func:`streams_end` is set (``conveyor serve`` sets it on SIGTERM or
-SIGINT, so that a graceful shutdown does not wait for clients that never hang up). The
-stream polls the outbox (every :data:`POLL_SECONDS`; no pub/sub channel announces
-events): one read at a time per connection, in a worker thread, at most
-:data:`STREAM_PAGE` events held, a database connection only during a read.
+SIGINT, so that a graceful shutdown does not wait for clients that never hang up). A
+stream reads the outbox again as soon as a commit announces new events (a Redis wake-up,
+:mod:`conveyor.delivery.wakeups`, heard by one subscriber per process for all its
+streams; at most one read per :data:`WAKE_GAP`), and every :data:`POLL_SECONDS` anyway,
+so a lost wake-up (or Redis away) costs at most a poll: one read at a time per
+connection, in a worker thread, at most :data:`STREAM_PAGE` events held, a database
+connection only during a read.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import logging
 import threading
@@ -33,6 +38,9 @@ from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
+from conveyor.delivery.celeryconfig import PLACEHOLDER_BROKER
+from conveyor.delivery.wakeups import Subscriber, events_channel, subscriber
+from conveyor.settings import ConveyorSettings
 from conveyor.web.auth import Caller, Reader, client_of
 from conveyor.web.feed import CursorAhead, FeedFilter, FeedPage, read_page
 from conveyor.web.limits import Held, held_limit
@@ -44,7 +52,8 @@ log = logging.getLogger("conveyor.web")
 router = APIRouter(prefix="/events", tags=["events"])
 
 AUTH = (401, 403)
-POLL_SECONDS = 0.5  # how soon a stream sees a new event
+POLL_SECONDS = 0.5  # how soon a stream sees a new event when no wake-up came
+WAKE_GAP = 0.05  # a stream reads at most this often, however many wake-ups come (DB load)
 HEARTBEAT_SECONDS = 15.0  # a comment when nothing was sent for this long (proxies close idle streams)
 RETRY_MS = 2000  # how long a browser's EventSource waits before reconnecting
 STREAM_PAGE = 500
@@ -188,7 +197,8 @@ async def open_stream(
 ) -> StreamingResponse:
     """The stream of the events matching ``where`` after ``last_event_id`` (or ``since``):
     each event as ``frame`` writes it (default: ``id``, ``event``: its topic, ``data``)."""
-    engine = client_of(request).connections.engine
+    connections = client_of(request).connections
+    engine = connections.engine
     start = last_event_id if last_event_id is not None else since
     held = held_limit(request.app).hold("a stream")
     try:
@@ -201,7 +211,7 @@ async def open_stream(
         held.release()
         raise
     return StreamingResponse(
-        _stream(engine, where, first, streams_end(request.app), held, frame),
+        _stream(engine, where, first, streams_end(request.app), held, frame, _wakes(connections.settings)),
         media_type=SSE,
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         # Also when the client went away and the stream was cancelled before its finally ran.
@@ -216,6 +226,37 @@ def streams_end(app: FastAPI) -> threading.Event:
     return end
 
 
+def _wakes(settings: ConveyorSettings) -> Subscriber | None:
+    """This process's subscriber to the outbox's wake-ups (None: no Redis configured)."""
+    url = settings.redis_url
+    if not url or url == PLACEHOLDER_BROKER:
+        return None
+    return subscriber(url, events_channel(settings.key_prefix))
+
+
+class _Wake:
+    """One stream's wake-up flag: set from the subscriber's thread, awaited on the stream's loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = anyio.Event()
+
+    def set_soon(self) -> None:
+        """Set the flag (from any thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the stream is gone
+            self._loop.call_soon_threadsafe(self._set)
+
+    def _set(self) -> None:
+        self._event.set()
+
+    async def wait(self, timeout: float) -> None:
+        """Until the flag is set (then clear it) or ``timeout`` seconds have passed."""
+        with anyio.move_on_after(timeout):
+            await self._event.wait()
+        if self._event.is_set():
+            self._event = anyio.Event()
+
+
 async def _stream(
     engine: Engine,
     where: FeedFilter,
@@ -223,12 +264,22 @@ async def _stream(
     end: threading.Event,
     held: Held,
     frame: Callable[[FeedEvent], str] | None = None,
+    wakes: Subscriber | None = None,
 ) -> AsyncIterator[str]:
-    """The stream's frames until ``end`` is set. Starlette cancels it when the client disconnects."""
+    """The stream's frames until ``end`` is set. Starlette cancels it when the client disconnects.
+
+    Between reads it waits for a wake-up from ``wakes`` or :data:`POLL_SECONDS`, whichever
+    comes first (only the poll on an event loop that is not asyncio's)."""
     frame = frame or _frame
+    wake: _Wake | None = None
+    unsubscribe: Callable[[], None] | None = None
     try:
+        if wakes is not None:
+            with contextlib.suppress(RuntimeError):  # not on asyncio (trio): the poll alone
+                wake = _Wake(asyncio.get_running_loop())
+                unsubscribe = wakes.add(wake.set_soon)
         yield f"retry: {RETRY_MS}\n\n"
-        sent = time.monotonic()
+        sent = page_read = time.monotonic()
         while not end.is_set():
             if page.rows:
                 yield "".join(frame(FeedEvent.from_row(r)) for r in page.rows)
@@ -237,7 +288,13 @@ async def _stream(
                 yield ": keep-alive\n\n"
                 sent = time.monotonic()
             if not page.full:
-                await anyio.sleep(POLL_SECONDS)
+                if wake is None:
+                    await anyio.sleep(POLL_SECONDS)
+                else:
+                    await wake.wait(POLL_SECONDS)
+                    # A wake-up per commit must not become a read per commit: reads are spaced.
+                    await anyio.sleep(max(0.0, WAKE_GAP - (time.monotonic() - page_read)))
+            page_read = time.monotonic()
             try:
                 page = await run_in_threadpool(read_page, engine, page.cursor, where, STREAM_PAGE)
             except (DBAPIError, PoolTimeout) as exc:
@@ -245,6 +302,8 @@ async def _stream(
                 log.warning("event stream ended: the database did not answer (%s)", type(exc).__name__)
                 return
     finally:
+        if unsubscribe is not None:
+            unsubscribe()
         held.release()
 
 

@@ -18,7 +18,15 @@ from sqlalchemy import update
 from conveyor import tracing
 from conveyor.client.owners import owned_key
 from conveyor.delivery.connections import Connections
-from conveyor.errors import LeaseLost, RetryRequested, describe, is_connection_loss, is_permanent
+from conveyor.errors import (
+    Deferred,
+    LeaseLost,
+    RetryRequested,
+    TransientError,
+    describe,
+    is_connection_loss,
+    is_permanent,
+)
 from conveyor.metrics import Metrics
 from conveyor.runfile import lease_owner
 from conveyor.stage import StageSpec
@@ -252,6 +260,41 @@ class Completion:
             self.metrics.inc("retried", spec.name)
             # The relay republishes when due; Celery must not retry or store a failure.
             raise Ignore()
+
+    # -- deferral -----------------------------------------------------------------------
+
+    def defer(self, task: Task, spec: StageSpec, job: Row, attempt: int, exc: Deferred) -> tuple[Any] | None:
+        """Park the job ``exc.seconds`` (uncounted), or, past the stage's ``max_deferred``
+        seconds in all, fail the attempt as an ordinary transient failure."""
+        over: TransientError | None = None
+        done = False
+        with tracing.span("conveyor.defer", attributes={"conveyor.job_id": job["id"]}):
+            try:
+                with self.connections.engine.begin() as conn:
+                    total = self.store.deferred_so_far(conn, job["id"])
+                    if total + exc.seconds > spec.max_deferred:
+                        over = TransientError(
+                            f"deferred {round(total, 1):g}s in all, and {round(exc.seconds, 1):g}s more "
+                            f"would pass the stage's max_deferred of {spec.max_deferred:g}s: {exc.reason}"
+                        )
+                    else:
+                        done = self.store.defer(
+                            conn, job["id"], attempt, lease_owner(), seconds=exc.seconds, reason=exc.reason
+                        )
+            except Exception as db_exc:
+                if not is_connection_loss(db_exc):
+                    raise
+                log.warning("could not record deferral of %s; requeueing it uncounted", job["id"])
+                self.heartbeat.requeue_uncounted(job["id"], attempt, lease_owner(), "infrastructure")
+                raise Reject(exc, requeue=True) from None
+        if over is not None:
+            return self.fail(task, spec, job, attempt, over)
+        if not done:
+            log.info("deferral of job %s attempt %s ignored: fenced off", job["id"], attempt)
+        else:
+            self.metrics.inc("deferred", spec.name)
+        # The relay publishes it again when due; Celery must not retry or store anything.
+        raise Ignore()
 
     def record_hard_timeout(self, spec: StageSpec, task_id: str, exc: BaseException) -> None:
         """Called in the worker's main process after it killed the child at the hard limit."""

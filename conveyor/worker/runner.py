@@ -23,6 +23,7 @@ from conveyor.delivery.broker import JOB_HEADER
 from conveyor.delivery.connections import Connections
 from conveyor.errors import (
     Cancelled,
+    Deferred,
     Interrupted,
     PayloadInvalid,
     SkipJob,
@@ -223,9 +224,14 @@ class Runner:
             return from_wire(result)  # Celery's result backend carries it in kombu's JSON
         except (Ignore, Reject):
             raise
+        except Deferred as deferral:
+            ctx.close()
+            carried = self.completion.defer(task, spec, job, attempt, deferral)
+            return None if carried is None else carried[0]
         except SkipJob as skip:
             result = to_jsonable(skip.result)
             self.completion.complete(task, spec, job, ctx, result, skipped=skip.reason)
+            self.metrics.observe_runtime(spec.name, time.monotonic() - started)
             return from_wire(result)
         except Interrupted as exc:
             ctx.close()
@@ -255,6 +261,7 @@ class Runner:
                     raise Ignore() from None
                 time.sleep(self.connections.settings.infra_backoff)
                 raise Reject(exc, requeue=True) from None
+            self.metrics.observe_runtime(spec.name, time.monotonic() - started, "err")
             carried_on = self.completion.fail(task, spec, job, attempt, exc)
             if carried_on is not None:
                 return carried_on[0]

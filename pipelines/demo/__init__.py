@@ -177,7 +177,7 @@ def files_check(platform: Platform) -> list[tuple[str, bool, str]]:
 def peers() -> Iterator[dict[str, str]]:
     """The local peers the families talk to (``demo_peers``): started before the demo's
     worker, whose extra environment (yielded) names them."""
-    from config import HAS_EMAIL, HAS_PUBLISHER
+    from config import HAS_EMAIL, HAS_PUBLISHER, HAS_TRADING
 
     with ExitStack() as stack:
         env: dict[str, str] = {}
@@ -189,23 +189,31 @@ def peers() -> Iterator[dict[str, str]]:
             from pipelines.publisher.demo import peers as publisher_peers
 
             env.update(stack.enter_context(publisher_peers()))
+        if HAS_TRADING:
+            from pipelines.trading.demo import peers as trading_peers
+
+            env.update(stack.enter_context(trading_peers()))
         yield env
 
 
 def family_starts(platform: Platform) -> None:
     """What a family's check needs started early (the publisher's posts, one of them held
-    by a window that ends while the rest of the demo runs)."""
-    from config import HAS_PUBLISHER
+    by a window that ends while the rest of the demo runs; the trading user's import)."""
+    from config import HAS_PUBLISHER, HAS_TRADING
 
     if HAS_PUBLISHER:
         from pipelines.publisher.demo import start as publisher_start
 
         publisher_start(platform)
+    if HAS_TRADING:
+        from pipelines.trading.demo import start as trading_start
+
+        trading_start(platform)
 
 
 def family_checks(platform: Platform) -> list[tuple[str, bool, str]]:
     """Each installed family's own check, through the peers :func:`peers` started."""
-    from config import HAS_EMAIL, HAS_PUBLISHER
+    from config import HAS_EMAIL, HAS_PUBLISHER, HAS_TRADING
 
     results: list[tuple[str, bool, str]] = []
     if HAS_EMAIL:
@@ -216,6 +224,10 @@ def family_checks(platform: Platform) -> list[tuple[str, bool, str]]:
         from pipelines.publisher.demo import check as publisher_check
 
         results += publisher_check(platform)
+    if HAS_TRADING:
+        from pipelines.trading.demo import check as trading_check
+
+        results += trading_check(platform)
     return results
 
 

@@ -50,7 +50,7 @@ from tasks.files.models import (
     batches,
     files,
 )
-from tasks.files.storage import Storage, too_large
+from tasks.files.storage import Storage, files_storage, too_large
 
 log = logging.getLogger("conveyor.files")
 
@@ -124,14 +124,11 @@ class Upload:
 
 
 def _new_storage() -> Storage:
-    """Where new uploads go: the configured bucket, else the local directory."""
+    """Where new uploads go (:func:`tasks.files.storage.files_storage` of this platform's
+    settings); one name to replace in tests that take the storage down."""
     from tasks.files.stages import _settings
-    from tasks.files.storage import LocalStorage, S3Storage
 
-    settings = _settings()
-    if settings.files.s3 is not None:
-        return S3Storage.from_settings(settings.files.s3)
-    return LocalStorage(settings.files_storage_dir())
+    return files_storage(_settings())
 
 
 def _safe_segment(text: str, fallback: str) -> str:

@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import IO, Any, Literal, Protocol
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -42,6 +42,9 @@ from tasks.files.errors import (
     UploadInterrupted,
 )
 
+if TYPE_CHECKING:
+    from config.settings import Settings
+
 __all__ = [
     "InvalidReference",
     "LocalStorage",
@@ -50,11 +53,14 @@ __all__ = [
     "Storage",
     "StorageRejected",
     "Stored",
+    "files_storage",
+    "new_storage",
     "storage_for",
     "too_large",
 ]
 
 FILE_SCHEME = "file://"
+OCTET_STREAM = "application/octet-stream"
 S3_SCHEME = "s3://"
 
 # Error codes that S3 and S3-compatible stores use for "try again later".
@@ -152,6 +158,10 @@ class Storage(Protocol):
         """Store ``data`` under ``key`` (replacing any previous content) and return its reference."""
         ...
 
+    def put_bytes(self, key: str, data: bytes, content_type: str = OCTET_STREAM) -> str:
+        """As :meth:`put`, with the content's media type (kept where the backend has one: S3)."""
+        ...
+
     def put_stream(self, key: str, source: IO[bytes], max_bytes: int) -> Stored:
         """Stream ``source`` to ``key`` without buffering it; :class:`FileTooLarge` past ``max_bytes``
         (and then nothing is stored)."""
@@ -217,6 +227,10 @@ class LocalStorage:
     def put(self, key: str, data: bytes) -> str:
         """Write ``data`` atomically to ``root/key`` and return ``file://<key>``."""
         return self.put_stream(key, io.BytesIO(data), max_bytes=len(data)).ref
+
+    def put_bytes(self, key: str, data: bytes, content_type: str = OCTET_STREAM) -> str:
+        """:meth:`put`; a local file has no media type, so ``content_type`` is not kept."""
+        return self.put(key, data)
 
     def put_stream(self, key: str, source: IO[bytes], max_bytes: int) -> Stored:
         """Stream ``source`` into ``root/key`` (atomically, as :meth:`put`)."""
@@ -392,9 +406,13 @@ class S3Storage:
 
     def put(self, key: str, data: bytes) -> str:
         """Upload ``data`` as ``key`` and return ``s3://<bucket>/<key>``."""
+        return self.put_bytes(key, data)
+
+    def put_bytes(self, key: str, data: bytes, content_type: str = OCTET_STREAM) -> str:
+        """Upload ``data`` as ``key`` with ``Content-Type: content_type``; ``s3://<bucket>/<key>``."""
         ref = self.ref_for(key)
         try:
-            self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=data, ContentType=content_type)
         except Exception as exc:
             error = _translate(exc, "put", ref, missing=StorageRejected)
             if error is None:
@@ -548,3 +566,19 @@ def storage_for(ref: str, *, local_root: Path, s3: S3Settings | None) -> Storage
             raise InvalidReference(f"no S3 storage is configured for {ref!r}")
         return _s3_storage(s3)
     raise InvalidReference(f"unsupported storage reference {ref!r} (expected file:// or s3://)")
+
+
+def new_storage(s3: S3Settings | None, local_dir: Path) -> Storage:
+    """Where new content is written: the bucket of ``s3`` when it is set, else ``local_dir``.
+
+    Each family passes its own choice (the files family: :func:`files_storage`). The S3
+    client is shared per settings, as :func:`storage_for` shares it.
+    """
+    if s3 is not None:
+        return _s3_storage(s3)
+    return LocalStorage(local_dir)
+
+
+def files_storage(settings: Settings) -> Storage:
+    """Where the files family writes new uploads (``CONVEYOR_FILES``: ``s3``, else ``storage_dir``)."""
+    return new_storage(settings.files.s3, settings.files_storage_dir())

@@ -83,8 +83,16 @@ def test_a_scrape_after_a_run_counts_what_happened(private_services: Any, tmp_pa
         assert value(samples, "conveyor_jobs_succeeded_total", stage="conveyor.demo.square") == 5
         assert value(samples, "conveyor_jobs_dead_total", stage="conveyor.demo.broken") == 2
         assert value(samples, "conveyor_jobs_claimed_total", stage="conveyor.demo.square") == 5
-        assert value(samples, "conveyor_job_runtime_seconds_count", stage="conveyor.demo.square") == 5
-        assert 0 < value(samples, "conveyor_job_runtime_seconds_sum", stage="conveyor.demo.square") < 5
+        runtime, square, broken = (
+            "conveyor_job_runtime_seconds",
+            "conveyor.demo.square",
+            "conveyor.demo.broken",
+        )
+        assert value(samples, f"{runtime}_count", stage=square, status="ok") == 5
+        assert 0 < value(samples, f"{runtime}_sum", stage=square, status="ok") < 5
+        # Every attempt of a broken job raised: its runtimes count as err.
+        assert value(samples, f"{runtime}_count", stage=broken, status="err") >= 2
+        assert value(samples, f"{runtime}_count", stage=broken, status="ok") == 0
         assert value(samples, "conveyor_queue_length", queue_name="file-extract") == 1
         assert value(samples, "conveyor_queue_length", queue_name="demo") == 0
         assert value(samples, "conveyor_jobs", queue_name="demo", status=s.QUEUED) == len(later)

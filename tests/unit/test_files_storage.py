@@ -21,10 +21,13 @@ from tasks.files.storage import (
     S3Settings,
     S3Storage,
     StorageRejected,
+    files_storage,
+    new_storage,
     storage_for,
 )
 
 BUCKET = "conveyor-test"
+DIGEST = "digests/u.1/2024-03-04-2024-03-11.json"
 FAKE_KEY = "testing"
 
 
@@ -98,6 +101,19 @@ def test_invalid_reference_is_permanent_and_a_value_error(tmp_path: Path) -> Non
         with pytest.raises(InvalidReference) as info:
             store.get(ref)
         assert isinstance(info.value, FileRejected) and isinstance(info.value, ValueError)
+
+
+def test_new_storage_local_writes_json_under_its_directory(tmp_path: Path) -> None:
+    store = new_storage(None, tmp_path / "trading" / "digests")
+    assert isinstance(store, LocalStorage) and store.root == (tmp_path / "trading" / "digests").resolve()
+    body = b'{"trades": 0}'
+    ref = store.put_bytes(DIGEST, body, "application/json")
+    assert ref == f"file://{DIGEST}" == store.ref_for(DIGEST)
+    assert (tmp_path / "trading" / "digests" / DIGEST).read_bytes() == body
+    assert store.put_bytes(DIGEST, b"{}", "application/json") == ref
+    assert store.get(ref) == b"{}"
+    with pytest.raises(InvalidReference):
+        store.put_bytes("digests/../../x.json", b"{}", "application/json")
 
 
 def test_storage_for_picks_by_scheme(tmp_path: Path) -> None:
@@ -184,6 +200,57 @@ def test_s3_from_settings(moto_endpoint: str) -> None:
     store = S3Storage.from_settings(settings)
     ref = store.put("from-settings", b"ok")
     assert store.get(ref) == b"ok"
+
+
+def test_new_storage_s3_shares_its_client_and_keeps_the_content_type(
+    moto_endpoint: str, tmp_path: Path
+) -> None:
+    settings = S3Settings(bucket=BUCKET, endpoint_url=moto_endpoint, access_key=FAKE_KEY, secret_key=FAKE_KEY)
+    store = new_storage(settings, tmp_path / "unused")
+    assert isinstance(store, S3Storage) and store.bucket == BUCKET
+    assert new_storage(settings, tmp_path) is store
+    assert storage_for(f"s3://{BUCKET}/k", local_root=tmp_path, s3=settings) is store
+    body = b'{"trades": 0}'
+    ref = store.put_bytes(DIGEST, body, "application/json")
+    assert ref == f"s3://{BUCKET}/{DIGEST}"
+    assert store.get(ref) == body
+    client = boto3.client(
+        "s3",
+        endpoint_url=moto_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=FAKE_KEY,
+        aws_secret_access_key=FAKE_KEY,
+    )
+    assert client.head_object(Bucket=BUCKET, Key=DIGEST)["ContentType"] == "application/json"
+    assert store.put_bytes(DIGEST, b"v2", "application/json") == ref  # replaces
+    assert store.get(ref) == b"v2"
+    store.put("plain", b"x")
+    assert client.head_object(Bucket=BUCKET, Key="plain")["ContentType"] == "application/octet-stream"
+    assert not (tmp_path / "unused").exists()
+
+
+def test_new_storage_s3_down_is_transient(tmp_path: Path) -> None:
+    settings = S3Settings(
+        bucket=BUCKET,
+        endpoint_url=f"http://127.0.0.1:{_closed_port()}",
+        access_key=FAKE_KEY,
+        secret_key=FAKE_KEY,
+        connect_timeout=0.5,
+        read_timeout=0.5,
+        max_attempts=1,
+    )
+    with pytest.raises(StorageUnavailable):
+        new_storage(settings, tmp_path).put_bytes("digests/u/a.json", b"{}", "application/json")
+
+
+def test_files_storage_reads_the_files_settings(moto_endpoint: str, tmp_path: Path) -> None:
+    from config.settings import FilesSettings, Settings
+
+    local = files_storage(Settings(files=FilesSettings(storage_dir=tmp_path / "uploads")))
+    assert isinstance(local, LocalStorage) and local.root == (tmp_path / "uploads").resolve()
+    s3 = S3Settings(bucket=BUCKET, endpoint_url=moto_endpoint, access_key=FAKE_KEY, secret_key=FAKE_KEY)
+    remote = files_storage(Settings(files=FilesSettings(storage_dir=tmp_path / "uploads", s3=s3)))
+    assert isinstance(remote, S3Storage) and remote is new_storage(s3, tmp_path)
 
 
 # --- S3 faults ----------------------------------------------------------------------------------

@@ -90,6 +90,15 @@ def _example(name: str) -> dict[str, Any]:
         },
         "conveyor.publisher.publish": {"post_id": "p1", "brand": "b", "channel": "instagram", "account": "a"},
         "conveyor.publisher.first_comment": {"post_id": "c1", "media_id": "m1", "comment_hash": "0" * 64},
+        "conveyor.trading.import_trades": {"userId": "u1", "sinceIso": "2025-01-01", "broker": "coinbase"},
+        "conveyor.trading.score_bias": {"userId": "u1"},
+        "conveyor.trading.simulate_simple": {"userId": "u1", "tradeId": "t1", "horizonDays": 7},
+        "conveyor.trading.digest_weekly": {
+            "userId": "u1",
+            "periodStart": "2026-11-16",
+            "periodEnd": "2026-11-23",
+        },
+        "conveyor.trading.digest_fanout": {"week": None},
     }.get(name, {"n": 1, "file_id": "f1"})
 
 
@@ -214,7 +223,7 @@ def test_an_unknown_stage_lists_close_names(registry: dict[str, RegisteredStage]
     assert close_names("demo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.dmeo.square", registry) == ["conveyor.demo.square"]
     assert close_names("conveyor.files.extrct", registry) == ["conveyor.files.extract"]
-    with pytest.raises(UnknownStage, match=r"20 are registered; list them with `conveyor stages`"):
+    with pytest.raises(UnknownStage, match=r"25 are registered; list them with `conveyor stages`"):
         lookup(registry, "conveyor.billing.charge")
     few = {n: registry[n] for n in ("conveyor.demo.noop", "conveyor.demo.pad")}
     with pytest.raises(UnknownStage, match=r"known stages: conveyor.demo.noop, conveyor.demo.pad$"):

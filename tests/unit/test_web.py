@@ -73,6 +73,11 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/publisher/jobs/{post_id}", "patch"),
         ("/publisher/jobs/{post_id}/cancel", "post"),
         ("/publisher/jobs/{post_id}/replay", "post"),
+        # the trading family's (pipelines.trading.http)
+        ("/trading/imports", "post"),
+        ("/trading/scores", "post"),
+        ("/trading/users/{userId}", "get"),
+        ("/trading/users/{userId}/connections/{broker}", "put"),
     }
     for path, _, op in operations:
         assert (op.get("security") == [{"bearer": []}]) == (path != "/health")

@@ -24,7 +24,7 @@ import functools
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -64,8 +64,9 @@ def _statements(schema: str) -> tuple[str, str, str]:
 class Lane:
     """Submit, claim and completion as single autocommit statements on one engine's pool."""
 
-    def __init__(self, engine: Engine, schema: str) -> None:
+    def __init__(self, engine: Engine, schema: str, *, announce: Callable[[], None] = lambda: None) -> None:
         self.engine = engine
+        self.announce = announce  # after a statement that committed an event (never raises)
         self.submit_sql, self.claim_sql, self.succeed_sql = _statements(schema)
         self._keep = not isinstance(engine.pool, NullPool)
         self._local = threading.local()
@@ -82,7 +83,10 @@ class Lane:
             values[name] = Json(values[name])
         if values.get("trace_context") is not None:
             values["trace_context"] = Json(values["trace_context"])
-        return bool(self._run(self.submit_sql, values))
+        created = bool(self._run(self.submit_sql, values))
+        if created:
+            self.announce()  # the outbox has a new event: a stream waiting for it reads now
+        return created
 
     def claim(self, job_id: str, *, owner: str, task_id: str) -> dict[str, Any] | None:
         """The claim compare-and-set (``conveyor_claim``): the running row, or None."""
@@ -92,7 +96,10 @@ class Lane:
     def succeed(self, job_id: str, attempt: int, result: Any, stage: str) -> bool:
         """``running → succeeded`` for ``attempt`` with its ``job.succeeded`` event; False
         when the attempt no longer owns the job (fenced off)."""
-        return bool(self._run(self.succeed_sql, (Json(result), job_id, attempt, Json({"stage": stage}))))
+        ok = bool(self._run(self.succeed_sql, (Json(result), job_id, attempt, Json({"stage": stage}))))
+        if ok:
+            self.announce()
+        return ok
 
     def close(self) -> None:
         """Give this thread's kept connection back to the pool."""

@@ -1,0 +1,210 @@
+"""The trading family, caller's side: connect a broker, submit imports and scores, and
+read a user's standing. What apps, the CLI and the HTTP router call.
+
+Submits go through the platform (``session=`` joins the caller's transaction): the
+payload is checked against the stage's model (:class:`conveyor.errors.PayloadInvalid`
+naming the field, nothing recorded), and the seed's deterministic ids are the stages'
+dedup keys, so a repeat while the job is pending returns it (``deduplicated``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from conveyor.client.enlist import Enlistment
+from conveyor.errors import ConveyorError, PayloadInvalid
+from conveyor.platform import Platform
+from conveyor.store.db.namespace import use_schema
+from conveyor.store.db.schema import job_events
+from tasks.trading import tables as t
+from tasks.trading.models import (
+    DIGEST_STAGE,
+    FANOUT_STAGE,
+    IMPORT_STAGE,
+    SCORE_STAGE,
+    SIM_STAGE,
+    USER_ID_PATTERN,
+)
+from tasks.trading.settings import BROKERS, trading_settings_of
+from tasks.trading.tokens import fernet, store_token
+
+_USER = re.compile(USER_ID_PATTERN)
+
+
+class UserOfAnotherOwner(ConveyorError, LookupError):
+    """The user was connected by another API owner: not this caller's (HTTP 404, as if
+    unknown: a caller learns nothing of another owner's users)."""
+
+
+def user_owner(platform: Platform, user_id: str) -> tuple[bool, str | None]:
+    """Whether the user has a broker connection, and the owner who connected them."""
+    with platform.engine.connect() as raw:
+        conn = use_schema(raw, platform.settings.db_schema)
+        found = conn.execute(
+            select(t.connections.c.owner)
+            .where(t.connections.c.user_id == user_id)
+            .order_by(t.connections.c.created_at)
+        ).first()
+    return (found is not None, None if found is None else found[0])
+
+
+def ensure_owner(platform: Platform, user_id: str, owner: str | None) -> None:
+    """Refuse (:class:`UserOfAnotherOwner`) a caller of ``owner`` for a user another owner
+    connected. ``owner`` None: the deployment itself (the CLI, an admin), which may act for
+    any user; a user nobody connected is anyone's to connect."""
+    if owner is None:
+        return
+    known, holder = user_owner(platform, check_user(user_id))
+    if known and holder != owner:
+        raise UserOfAnotherOwner(f"no trading user {user_id}")
+
+
+def check_user(user_id: str) -> str:
+    """``user_id`` if it is a plain user id, else :class:`PayloadInvalid` naming the rule."""
+    if not isinstance(user_id, str) or not _USER.match(user_id):
+        raise PayloadInvalid(
+            "userId: must be 1-64 letters, digits, '.', '_' or '-', and not '.' or '..' "
+            "(a user's id, never an e-mail address)"
+        )
+    return user_id
+
+
+def connect_broker(
+    platform: Platform, user_id: str, broker: str, token: str, *, owner: str | None = None
+) -> None:
+    """Keep the user's broker token, encrypted (``CONVEYOR_TRADING.token_key``); a caller's
+    ``owner`` connects only its own users (see :func:`ensure_owner`)."""
+    ensure_owner(platform, check_user(user_id), owner)
+    if broker not in BROKERS:
+        raise PayloadInvalid(f"broker: must be one of {', '.join(BROKERS)}")
+    token = token.strip()
+    if not token or len(token) > 4096 or any(c.isspace() for c in token):
+        raise PayloadInvalid("token: must be one line of 1-4096 characters without spaces")
+    box = fernet(trading_settings_of(platform.settings), platform.settings.resolved_home())
+    with platform.engine.begin() as conn:
+        store_token(use_schema(conn, platform.settings.db_schema), box, user_id, broker, token, owner=owner)
+
+
+def submit_import(
+    platform: Platform,
+    user_id: str,
+    *,
+    since: dt.date | str | None = None,
+    broker: str | None = None,
+    session: Session | Enlistment | None = None,
+    owner: str | None = None,
+) -> Any:
+    """Submit ``conveyor.trading.import_trades``; returns the job's handle."""
+    payload: dict[str, Any] = {"userId": user_id}
+    if since is not None:
+        payload["sinceIso"] = since.isoformat() if isinstance(since, dt.date) else since
+    if broker is not None:
+        payload["broker"] = broker
+    return platform.submit(IMPORT_STAGE, payload, session=session, owner=owner)
+
+
+def submit_score(
+    platform: Platform,
+    user_id: str,
+    *,
+    since: dt.date | str | None = None,
+    session: Session | Enlistment | None = None,
+    owner: str | None = None,
+) -> Any:
+    """Submit ``conveyor.trading.score_bias``; returns the job's handle."""
+    payload: dict[str, Any] = {"userId": user_id}
+    if since is not None:
+        payload["sinceIso"] = since.isoformat() if isinstance(since, dt.date) else since
+    return platform.submit(SCORE_STAGE, payload, session=session, owner=owner)
+
+
+def _day(value: dt.date | str) -> str:
+    return value.isoformat() if isinstance(value, dt.date) else value
+
+
+def submit_sim(
+    platform: Platform,
+    user_id: str,
+    trade_id: str,
+    horizon_days: int,
+    *,
+    session: Session | Enlistment | None = None,
+    owner: str | None = None,
+) -> Any:
+    """Submit ``conveyor.trading.simulate_simple`` (the seed's SimJob); the job's handle."""
+    payload = {"userId": user_id, "tradeId": trade_id, "horizonDays": horizon_days}
+    return platform.submit(SIM_STAGE, payload, session=session, owner=owner)
+
+
+def submit_digest(
+    platform: Platform,
+    user_id: str,
+    start: dt.date | str,
+    end: dt.date | str,
+    *,
+    recompute: bool = False,
+    session: Session | Enlistment | None = None,
+    owner: str | None = None,
+) -> Any:
+    """Submit ``conveyor.trading.digest_weekly`` for ``[start, end)``: the same period is one
+    job for the retention period unless ``recompute``."""
+    payload = {"userId": user_id, "periodStart": _day(start), "periodEnd": _day(end)}
+    options: dict[str, Any] = {"reuse": "always"} if recompute else {}
+    return platform.submit(DIGEST_STAGE, payload, session=session, owner=owner, **options)
+
+
+def submit_fanout(platform: Platform, week: dt.date | str | None = None) -> Any:
+    """Submit the weekly fan-out (the beat's ``trading-weekly-digests``) for the ISO week
+    holding ``week`` (None: last week)."""
+    return platform.submit(FANOUT_STAGE, {"week": None if week is None else _day(week)})
+
+
+def user_status(platform: Platform, user_id: str) -> dict[str, Any]:
+    """``{"trades", "rejected", "tags", "reflect_events", "brokers"}`` for the user."""
+    check_user(user_id)
+
+    def count(query: Any) -> int:
+        return int(conn.execute(query).scalar_one())
+
+    with platform.engine.connect() as raw:
+        conn = use_schema(raw, platform.settings.db_schema)
+        scores = select(t.scores.c.job_id).where(t.scores.c.user_id == user_id)
+        brokers = conn.execute(
+            select(t.connections.c.broker)
+            .where(t.connections.c.user_id == user_id)
+            .order_by(t.connections.c.broker)
+        ).scalars()
+        return {
+            "userId": user_id,
+            "brokers": list(brokers),
+            "trades": count(select(func.count()).select_from(t.trades).where(t.trades.c.user_id == user_id)),
+            "rejected": count(
+                select(func.count()).select_from(t.rejects).where(t.rejects.c.user_id == user_id)
+            ),
+            "tags": count(select(func.count()).select_from(t.tags).where(t.tags.c.user_id == user_id)),
+            "reflect_events": count(
+                select(func.count())
+                .select_from(job_events)
+                .where(job_events.c.topic == "coach.reflect", job_events.c.job_id.in_(scores))
+            ),
+        }
+
+
+__all__ = [
+    "UserOfAnotherOwner",
+    "check_user",
+    "connect_broker",
+    "ensure_owner",
+    "submit_digest",
+    "submit_fanout",
+    "submit_import",
+    "submit_score",
+    "submit_sim",
+    "user_owner",
+    "user_status",
+]
