@@ -55,6 +55,8 @@ class JobContext:
         stage: str,
         flow_id: str | None,
         queue: str | None = None,
+        owner: str | None = None,
+        final_attempt: bool = False,
     ) -> None:
         self.services = services
         self.job_id = job_id
@@ -62,6 +64,12 @@ class JobContext:
         self.stage = stage
         self.flow_id = flow_id
         self.queue = queue
+        # Whose job this is (an API token's owner, ``owner=`` at submit; None: the
+        # deployment's): a body acting on a tenant's data checks it is theirs.
+        self.owner = owner
+        # This attempt is the job's last counted one: a failure now dead-letters it, so a
+        # body with a useful partial answer may give it instead of failing.
+        self.final_attempt = final_attempt
         self._log: BoundLogger | None = None
         self._log_tokens: JobTokens | None = bind_job(job_id, stage, attempt, queue)
         self.events: list[dict[str, Any]] = []

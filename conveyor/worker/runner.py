@@ -38,7 +38,7 @@ from conveyor.shared import job_scope
 from conveyor.stage import StageSpec, kept_if_small, payload_from_call, to_jsonable
 from conveyor.store.db import schema as s
 from conveyor.store.dedup_keys import Deduplicator
-from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, new_event
+from conveyor.store.jobs import Claim, ClaimOutcome, JobStore, NewJob, Row, counted_attempts, new_event
 from conveyor.wire import from_wire
 from conveyor.worker.admission import Slot
 from conveyor.worker.completion import Completion
@@ -208,6 +208,8 @@ class Runner:
             stage=spec.name,
             flow_id=job["flow_id"],
             queue=job["queue"],
+            owner=job["owner"],
+            final_attempt=counted_attempts(job) >= int(job["max_attempts"]),
         )
         ctx.slot = slot
         self.heartbeat.track(ctx)

@@ -1,5 +1,5 @@
 """``conveyor trading …``: run the local peers, connect a broker, import a user's trades,
-show a user's standing, simulate a trade, make digests.
+show a user's standing and trades, simulate a trade, make digests.
 
 - ``peers``: the broker, market-data and AI-coach peers in the foreground (``broker=URL``,
   ``market=URL``, ``ai=URL`` on stdout), until SIGTERM or Ctrl-C.
@@ -143,7 +143,9 @@ def import_(
         elif wait > 0:
             counts = result if isinstance(result, dict) else {}
             numbers = " ".join(f"{k}={counts.get(k, 0)}" for k in ("fetched", "stored", "rejected"))
-            print_lines([f"job={handle.id} status={status} {numbers}"])
+            score = f" score_job={counts['score_job']}" if counts.get("score_job") else ""
+            print_lines([f"job={handle.id} status={status} {numbers}{score}"])
+            _why(handle, status)
         else:
             print_lines([f"job={handle.id} status={status}{' deduplicated' if handle.deduplicated else ''}"])
         if wait <= 0:
@@ -175,13 +177,28 @@ def _submit_and_wait(submit: Any, wait: float, as_json: bool, show: Any) -> None
                 {"job": handle.id, "status": status, "deduplicated": handle.deduplicated, "result": result}
             )
         else:
-            words = show(result) if isinstance(result, dict) else ""
+            words = show(result) if isinstance(result, dict) and status == SUCCEEDED else ""
             print_lines([f"job={handle.id} status={status}{' ' + words if words else ''}"])
+            _why(handle, status)
         if status not in TERMINAL:
             err.print(f"job {handle.id} still {status} after {wait:g}s", markup=False, highlight=False)
         return 0 if status == SUCCEEDED else 1
 
     run_command(body, wait=DB_WAIT, repeat=False)
+
+
+def _why(handle: JobHandle, status: str) -> None:
+    """Why a job did not succeed, on stderr: a dead one's error, a skipped one's reason."""
+    from conveyor.cli.output import retrying
+    from conveyor.store.db.schema import DEAD, SKIPPED
+
+    if status == DEAD:
+        error = retrying(lambda: handle.row()["last_error"]) or "no error recorded"
+        err.print(f"error: {error}", markup=False, highlight=False)
+    elif status == SKIPPED:
+        skipped = [e for e in retrying(lambda: handle.events()[0]) if e.topic == "job.skipped"]
+        reason = skipped[-1].body.get("reason") if skipped else "no reason recorded"
+        err.print(f"skipped: {reason}", markup=False, highlight=False)
 
 
 def _wait_option() -> Any:
@@ -223,6 +240,32 @@ def digest(
     _submit_and_wait(
         lambda platform: submit_digest(platform, user, start, end, recompute=recompute), wait, as_json, show
     )
+
+
+@app.command()
+def trades(
+    user: str = _user_option(),
+    limit: int = typer.Option(20, "--limit", min=1, max=1000, help="how many, newest first"),
+    as_json: bool = json_option(),
+    wait: float = wait_option(),
+) -> None:
+    """The user's newest stored trades: their tradeId (what ``sim --trade`` takes) and labels."""
+
+    def body() -> int:
+        from pipelines.trading.jobs import list_trades
+
+        found = list_trades(load_platform(), user, limit=limit)
+        if as_json:
+            print_json(found)
+        else:
+            print_lines(
+                f"{r['tradeId']}  {r['ts']}  {r['symbol']} {r['side']} {r['qty']} @ {r['price']}  "
+                f"{','.join(r['labels']) or '-'}"
+                for r in found
+            )
+        return 0
+
+    run_command(body, wait=wait, read_only=True)
 
 
 @app.command("digest-week")

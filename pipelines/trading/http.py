@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from conveyor.errors import ConfigurationError, PayloadInvalid
@@ -29,6 +29,7 @@ from pipelines.trading.jobs import (
     check_user,
     connect_broker,
     ensure_owner,
+    list_trades,
     submit_import,
     submit_score,
     user_status,
@@ -228,6 +229,44 @@ def standing(caller: Reader, userId: UserId) -> TradingStanding:
         platform = _platform()
         ensure_owner(platform, check_user(userId), _acting_as(caller))
         return TradingStanding(**user_status(platform, userId))
+    except UserOfAnotherOwner:
+        raise _not_yours(userId) from None
+    except PayloadInvalid as exc:
+        raise _refused(exc, "path") from None
+
+
+class StoredTrade(BaseModel):
+    """A stored trade: its ``tradeId`` (what a sim takes) and its bias labels."""
+
+    tradeId: str
+    broker: str
+    symbol: str
+    side: str
+    qty: str
+    price: str
+    ts: str
+    labels: list[str] = Field(description="bias labels, most confident first")
+
+
+@router.get(
+    "/trading/users/{userId}/trades",
+    response_model=list[StoredTrade],
+    operation_id="listTradingTrades",
+    summary="A user's stored trades",
+    description="Scope `read`. The newest first, with each trade's `tradeId` (the id a sim "
+    "takes) and bias labels. 404 for a user another owner connected.",
+    responses=responses(*AUTH, 404, 422, 503),
+)
+def user_trades(
+    caller: Reader,
+    userId: UserId,
+    limit: Annotated[int, Query(ge=1, le=1000, description="how many, newest first")] = 50,
+) -> list[StoredTrade]:
+    """The user's trades."""
+    try:
+        platform = _platform()
+        ensure_owner(platform, check_user(userId), _acting_as(caller))
+        return [StoredTrade(**row) for row in list_trades(platform, userId, limit=limit)]
     except UserOfAnotherOwner:
         raise _not_yours(userId) from None
     except PayloadInvalid as exc:

@@ -31,7 +31,7 @@ from tasks.trading.models import (
     USER_ID_PATTERN,
 )
 from tasks.trading.settings import BROKERS, trading_settings_of
-from tasks.trading.tokens import fernet, store_token
+from tasks.trading.tokens import claim_user, fernet, owner_of, store_token
 
 _USER = re.compile(USER_ID_PATTERN)
 
@@ -42,21 +42,16 @@ class UserOfAnotherOwner(ConveyorError, LookupError):
 
 
 def user_owner(platform: Platform, user_id: str) -> tuple[bool, str | None]:
-    """Whether the user has a broker connection, and the owner who connected them."""
+    """Whether the user was ever connected, and the owner who first connected them."""
     with platform.engine.connect() as raw:
-        conn = use_schema(raw, platform.settings.db_schema)
-        found = conn.execute(
-            select(t.connections.c.owner)
-            .where(t.connections.c.user_id == user_id)
-            .order_by(t.connections.c.created_at)
-        ).first()
-    return (found is not None, None if found is None else found[0])
+        return owner_of(use_schema(raw, platform.settings.db_schema), user_id)
 
 
 def ensure_owner(platform: Platform, user_id: str, owner: str | None) -> None:
     """Refuse (:class:`UserOfAnotherOwner`) a caller of ``owner`` for a user another owner
     connected. ``owner`` None: the deployment itself (the CLI, an admin), which may act for
-    any user; a user nobody connected is anyone's to connect."""
+    any user; a user nobody connected is anyone's to connect. The stages check the same
+    (a job of another owner's user does nothing), whatever path submitted it."""
     if owner is None:
         return
     known, holder = user_owner(platform, check_user(user_id))
@@ -78,16 +73,21 @@ def connect_broker(
     platform: Platform, user_id: str, broker: str, token: str, *, owner: str | None = None
 ) -> None:
     """Keep the user's broker token, encrypted (``CONVEYOR_TRADING.token_key``); a caller's
-    ``owner`` connects only its own users (see :func:`ensure_owner`)."""
-    ensure_owner(platform, check_user(user_id), owner)
+    ``owner`` connects only its own users (see :func:`ensure_owner`): the first connection
+    claims the user, atomically, and a concurrent one of another owner is refused."""
+    check_user(user_id)
     if broker not in BROKERS:
         raise PayloadInvalid(f"broker: must be one of {', '.join(BROKERS)}")
     token = token.strip()
     if not token or len(token) > 4096 or any(c.isspace() for c in token):
         raise PayloadInvalid("token: must be one line of 1-4096 characters without spaces")
     box = fernet(trading_settings_of(platform.settings), platform.settings.resolved_home())
-    with platform.engine.begin() as conn:
-        store_token(use_schema(conn, platform.settings.db_schema), box, user_id, broker, token, owner=owner)
+    with platform.engine.begin() as raw:
+        conn = use_schema(raw, platform.settings.db_schema)
+        holder = claim_user(conn, user_id, owner)
+        if owner is not None and holder != owner:
+            raise UserOfAnotherOwner(f"no trading user {user_id}")  # rolls the claim back too
+        store_token(conn, box, user_id, broker, token)
 
 
 def submit_import(
@@ -165,7 +165,9 @@ def submit_fanout(platform: Platform, week: dt.date | str | None = None) -> Any:
 
 
 def user_status(platform: Platform, user_id: str) -> dict[str, Any]:
-    """``{"trades", "rejected", "tags", "reflect_events", "brokers"}`` for the user."""
+    """``{"trades", "rejected", "tags", "reflect_events", "brokers"}`` for the user:
+    ``rejected`` is the rows the latest import of each broker refused (an import again
+    sees the same bad rows again; they are not added up)."""
     check_user(user_id)
 
     def count(query: Any) -> int:
@@ -183,9 +185,7 @@ def user_status(platform: Platform, user_id: str) -> dict[str, Any]:
             "userId": user_id,
             "brokers": list(brokers),
             "trades": count(select(func.count()).select_from(t.trades).where(t.trades.c.user_id == user_id)),
-            "rejected": count(
-                select(func.count()).select_from(t.rejects).where(t.rejects.c.user_id == user_id)
-            ),
+            "rejected": _latest_rejected(conn, user_id),
             "tags": count(select(func.count()).select_from(t.tags).where(t.tags.c.user_id == user_id)),
             "reflect_events": count(
                 select(func.count())
@@ -195,11 +195,63 @@ def user_status(platform: Platform, user_id: str) -> dict[str, Any]:
         }
 
 
+def _latest_rejected(conn: Any, user_id: str) -> int:
+    rows = conn.execute(
+        select(t.imports.c.broker, t.imports.c.rejected)
+        .where(t.imports.c.user_id == user_id)
+        .order_by(t.imports.c.updated_at.desc())
+    )
+    latest: dict[str, int] = {}
+    for broker, rejected in rows:
+        latest.setdefault(str(broker), int(rejected))
+    return sum(latest.values())
+
+
+def list_trades(platform: Platform, user_id: str, *, limit: int = 50) -> list[dict[str, Any]]:
+    """The user's newest stored trades (``tradeId`` first), with their bias labels."""
+    check_user(user_id)
+    with platform.engine.connect() as raw:
+        conn = use_schema(raw, platform.settings.db_schema)
+        rows = (
+            conn.execute(
+                select(t.trades)
+                .where(t.trades.c.user_id == user_id)
+                .order_by(t.trades.c.ts.desc(), t.trades.c.id)
+                .limit(max(1, min(limit, 1000)))
+            )
+            .mappings()
+            .all()
+        )
+        labels: dict[str, list[str]] = {}
+        if rows:
+            tagged = conn.execute(
+                select(t.tags.c.trade_id, t.tags.c.label)
+                .where(t.tags.c.trade_id.in_([r["id"] for r in rows]))
+                .order_by(t.tags.c.confidence.desc())
+            )
+            for trade_id, label in tagged:
+                labels.setdefault(str(trade_id), []).append(str(label))
+    return [
+        {
+            "tradeId": r["id"],
+            "broker": r["broker"],
+            "symbol": r["symbol"],
+            "side": r["side"],
+            "qty": str(r["qty"].normalize()) if hasattr(r["qty"], "normalize") else str(r["qty"]),
+            "price": str(r["price"].normalize()) if hasattr(r["price"], "normalize") else str(r["price"]),
+            "ts": r["ts"].isoformat().replace("+00:00", "Z"),
+            "labels": labels.get(r["id"], []),
+        }
+        for r in rows
+    ]
+
+
 __all__ = [
     "UserOfAnotherOwner",
     "check_user",
     "connect_broker",
     "ensure_owner",
+    "list_trades",
     "submit_digest",
     "submit_fanout",
     "submit_import",

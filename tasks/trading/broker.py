@@ -23,6 +23,7 @@ import httpx
 
 from conveyor.errors import PermanentError
 from tasks.trading.errors import BrokerUnauthorized, PeerUnavailable, RateLimited, UnreadablePage
+from tasks.trading.transport import http_client
 
 __all__ = ["DEFAULT_RETRY_AFTER", "BrokerClient", "Page", "parse_retry_after"]
 
@@ -49,11 +50,7 @@ class BrokerClient:
     ``base_url``; no automatic retries. Close it, or use it as a context manager."""
 
     def __init__(self, base_url: str, *, timeout: float = 10.0) -> None:
-        self._client = httpx.Client(
-            base_url=base_url.rstrip("/"),
-            timeout=timeout,
-            transport=httpx.HTTPTransport(retries=0),
-        )
+        self._client = http_client(timeout, base_url.rstrip("/"))
 
     def fetch_page(self, broker: str, token: str, since: date, cursor: str | None, *, number: int) -> Page:
         """The page at ``cursor`` (``None``: the first) of the trades since ``since``; ``number``

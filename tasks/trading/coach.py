@@ -27,6 +27,7 @@ from conveyor.errors import PermanentError
 from tasks.trading.errors import CoachUnauthorized, PeerUnavailable
 from tasks.trading.series import Candle
 from tasks.trading.signing import sign
+from tasks.trading.transport import http_client
 
 __all__ = ["CoachClient"]
 
@@ -52,11 +53,7 @@ class CoachClient:
         self._key_id = key_id
         self._secret = secret
         self._on_request = on_request
-        self._client = httpx.Client(
-            base_url=self._base_url,
-            timeout=timeout,
-            transport=httpx.HTTPTransport(retries=0),
-        )
+        self._client = http_client(timeout, self._base_url)
 
     def __repr__(self) -> str:
         return f"CoachClient({self._base_url}, key_id={self._key_id!r})"

@@ -28,8 +28,10 @@ MAX_DAYS = 31
 _DIGEST_IDS = uuid.UUID("0b6f1f0e-2f0a-4f57-8d1c-5b0e3c9d7a21")
 
 
-def check_period(start: dt.date, end: dt.date) -> None:
-    """A period must end after it starts (end exclusive) and span at most 31 days."""
+def check_period(start: dt.date, end: dt.date, today: dt.date) -> None:
+    """A period must end after it starts (end exclusive), span at most 31 days and be over
+    (``end`` at most today, UTC): a digest of a running period would stand for the whole
+    of it (one digest per period)."""
     if end <= start:
         raise PayloadInvalid(
             f"periodEnd: {end.isoformat()} must be after periodStart {start.isoformat()} "
@@ -37,6 +39,11 @@ def check_period(start: dt.date, end: dt.date) -> None:
         )
     if (end - start).days > MAX_DAYS:
         raise PayloadInvalid(f"periodEnd: the period spans {(end - start).days} days, more than {MAX_DAYS}")
+    if end > today:
+        raise PayloadInvalid(
+            f"periodEnd: {end.isoformat()} is after today ({today.isoformat()} UTC): a digest is made "
+            "once its period is over"
+        )
 
 
 def digest_id(user_id: str, start: dt.date, end: dt.date) -> str:

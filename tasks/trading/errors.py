@@ -22,6 +22,11 @@ class BrokerUnauthorized(PermanentError):
     """The broker refused the stored token (401/403), or the user has no connection."""
 
 
+class NotYourUser(PermanentError):
+    """The job's owner (an API token's) is not the owner of the trading user it names: the
+    job does nothing (and says nothing of whose the user is)."""
+
+
 class UnreadablePage(TransientError):
     """A broker page that is not the JSON we expect (its number in the message)."""
 

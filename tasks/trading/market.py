@@ -36,6 +36,7 @@ from conveyor.errors import PermanentError
 from tasks.trading.broker import parse_retry_after
 from tasks.trading.errors import PeerUnavailable, RateLimited
 from tasks.trading.series import Candle
+from tasks.trading.transport import http_client
 
 if TYPE_CHECKING:
     import redis
@@ -73,7 +74,7 @@ class MarketClient:
     ) -> None:
         self._base_url = base_url.rstrip("/")
         self._vendor_url = (vendor_url or base_url).rstrip("/")
-        self._client = httpx.Client(timeout=timeout, transport=httpx.HTTPTransport(retries=0))
+        self._client = http_client(timeout)
         self._cache = cache
         self._cache_ttl = cache_ttl
         self._cache_prefix = cache_prefix

@@ -50,6 +50,11 @@ class ScoreJob(BaseModel):
     sinceIso: dt.date | None = Field(
         default=None, description="YYYY-MM-DD, inclusive; absent: UTC today - 30 days"
     )
+    retag: bool = Field(
+        default=True,
+        description="tag every trade of the window again (the seed's re-score); false: only "
+        "trades without a tag (what an import submits, so a trade is told once)",
+    )
 
 
 class SimJob(BaseModel):

@@ -58,9 +58,12 @@ def resume_cursor(conn: Connection, job_id: str) -> Cursor:
     )
 
 
-def load_facts(conn: Connection, user_id: str, since: dt.date) -> list[TradeFacts]:
+def load_facts(
+    conn: Connection, user_id: str, since: dt.date, *, untagged_only: bool = False
+) -> list[TradeFacts]:
     """The user's trades since ``since`` in (time, id) order, each with what the
-    heuristics read of the day before it (its history starts a day earlier)."""
+    heuristics read of the day before it (its history starts a day earlier); with
+    ``untagged_only``, only those no score has tagged yet."""
     start = dt.datetime.combine(since, dt.time(), tzinfo=dt.UTC)
     rows = (
         conn.execute(
@@ -107,6 +110,11 @@ def load_facts(conn: Connection, user_id: str, since: dt.date) -> list[TradeFact
             )
         if realized[i] is not None:
             last_close, last_close_at = realized[i], ts
+    if untagged_only and facts:
+        tagged = set(
+            conn.execute(select(t.tags.c.trade_id).where(t.tags.c.user_id == user_id).distinct()).scalars()
+        )
+        facts = [f for f in facts if f.trade_id not in tagged]
     return facts
 
 

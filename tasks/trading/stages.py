@@ -51,7 +51,7 @@ from tasks.trading.models import (
 from tasks.trading.scoring import Scorer, load_facts, resume_cursor
 from tasks.trading.settings import QUEUES, SETTING, TradingSettings, trading_settings_of
 from tasks.trading.sims import Simulator, cached, trade_of
-from tasks.trading.tokens import connected_broker, fernet, read_token
+from tasks.trading.tokens import check_job_owner, connected_broker, fernet, read_token
 
 _SETTINGS = get_settings().trading
 
@@ -75,8 +75,14 @@ def _market(ctx: JobContext, settings: TradingSettings) -> MarketClient:
         _needed(settings.market_url, "market_url"),
         cache=ctx.services.connections.redis,
         cache_ttl=settings.ohlcv_cache_ttl,
+        cache_prefix=f"{_prefix()}trading:ohlcv",
         on_429=telemetry.saw_429,
     )
+
+
+def _prefix() -> str:
+    """The deployment's Redis key prefix: the family's cache keys live beside Conveyor's."""
+    return current_platform().settings.key_prefix
 
 
 def _needed(value: str | None, what: str) -> str:
@@ -107,6 +113,7 @@ def import_trades(ctx: JobContext, p: ImportJob) -> dict[str, Any]:
     check_since(since, today)
     platform = current_platform()
     with reading(ctx.services.connections.engine) as conn:
+        check_job_owner(conn, p.userId, ctx.owner)
         broker = connected_broker(conn, p.userId, p.broker)
         token = read_token(conn, fernet(settings, platform.settings.resolved_home()), p.userId, broker)
         progress = resume_point(conn, ctx.job_id)
@@ -123,7 +130,9 @@ def import_trades(ctx: JobContext, p: ImportJob) -> dict[str, Any]:
             emit=db_emit(ctx.services.store, ctx.job_id),
         )
         progress = importer.run(progress)
-    score_job = ctx.submit(SCORE_STAGE, {"userId": p.userId, "sinceIso": since.isoformat()})
+    # Only the trades no score tagged yet: an import again tells no trade twice.
+    score = {"userId": p.userId, "sinceIso": since.isoformat(), "retag": False}
+    score_job = ctx.submit(SCORE_STAGE, score)
     return {**progress.result(), "broker": broker, "since": since.isoformat(), "score_job": score_job}
 
 
@@ -155,7 +164,8 @@ def score_bias(ctx: JobContext, p: ScoreJob) -> dict[str, Any]:
     )
     market = _market(ctx, settings)
     with reading(ctx.services.connections.engine) as conn:
-        facts = load_facts(conn, p.userId, since)
+        check_job_owner(conn, p.userId, ctx.owner)
+        facts = load_facts(conn, p.userId, since, untagged_only=not p.retag)
         cursor = resume_cursor(conn, ctx.job_id)
     try:
         scorer = Scorer(
@@ -190,14 +200,18 @@ def simulate_simple(ctx: JobContext, p: SimJob) -> dict[str, Any]:
     """Hold vs. actual after one trade; see :mod:`tasks.trading.sims`."""
     settings = _trading()
     redis = ctx.services.connections.redis
-    hit = cached(redis, p.userId, p.tradeId, p.horizonDays)
+    if ctx.owner is not None:
+        with reading(ctx.services.connections.engine) as conn:
+            check_job_owner(conn, p.userId, ctx.owner)
+    hit = cached(redis, _prefix(), p.userId, p.tradeId, p.horizonDays)
     if hit is not None:
         return hit
     with reading(ctx.services.connections.engine) as conn:
         trade = trade_of(conn, p.userId, p.tradeId)
     with _market(ctx, settings) as market:
-        simulator = Simulator(market, redis, ttl=settings.sim_cache_ttl)
-        return simulator.run(p.userId, p.horizonDays, trade, dt.datetime.now(dt.UTC))
+        simulator = Simulator(market, redis, prefix=_prefix(), ttl=settings.sim_cache_ttl)
+        now = dt.datetime.now(dt.UTC)
+        return simulator.run(p.userId, p.horizonDays, trade, now, final=ctx.final_attempt)
 
 
 @stage(
@@ -214,9 +228,10 @@ def simulate_simple(ctx: JobContext, p: SimJob) -> dict[str, Any]:
 )
 def digest_weekly(ctx: JobContext, p: DigestJob) -> dict[str, Any]:
     """Aggregate the user's period, write its snapshot, record it and emit ``digest.ready``."""
-    digests.check_period(p.periodStart, p.periodEnd)
+    digests.check_period(p.periodStart, p.periodEnd, _today())
     settings = _trading()
     with reading(ctx.services.connections.engine) as conn:
+        check_job_owner(conn, p.userId, ctx.owner)
         body = digests.summarize(conn, p.userId, p.periodStart, p.periodEnd)
     key, data = digests.snapshot(p.userId, p.periodStart, p.periodEnd, body)
     home = current_platform().settings.resolved_home()

@@ -1,5 +1,6 @@
 """The trading family's tables, in Conveyor's schema.
 
+- ``trading_users``: whose user it is (the owner that first connected them).
 - ``trading_connections``: a user's broker token, encrypted (Fernet), one per broker.
 - ``trading_trades``: the stored trades, unique by ``(user_id, broker, ext_id)``; ``id`` is
   derived from those three (uuid5), so a trade imported again keeps its id (``tradeId``).
@@ -22,15 +23,23 @@ from conveyor.store.db.namespace import SCHEMA, own
 metadata = MetaData(schema=SCHEMA)
 AMOUNT = Numeric(38, 18)
 
+users = Table(
+    own("trading_users"),
+    metadata,
+    Column("user_id", String(64), primary_key=True),
+    # The API token's owner who first connected the user (None: the deployment, the CLI):
+    # only that owner (or an admin) may act for the user. Its primary key makes the first
+    # connection's claim atomic.
+    Column("owner", String(64), nullable=True),
+    Column("created_at", Timestamp(), nullable=False),
+)
+
 connections = Table(
     own("trading_connections"),
     metadata,
     Column("user_id", String(64), primary_key=True),
     Column("broker", String(20), primary_key=True),
     Column("token_enc", Text, nullable=False),
-    # The API token's owner who connected the user (None: the deployment, the CLI): only
-    # that owner (or an admin) may submit for the user or read their standing.
-    Column("owner", String(64), nullable=True),
     Column("created_at", Timestamp(), nullable=False),
     Column("updated_at", Timestamp(), nullable=False),
 )

@@ -12,7 +12,7 @@ from sqlalchemy import Connection, select
 from conveyor.errors import ConfigurationError
 from conveyor.store.db.dialect import db_now, upsert
 from tasks.trading import tables as t
-from tasks.trading.errors import BrokerUnauthorized
+from tasks.trading.errors import BrokerUnauthorized, NotYourUser
 from tasks.trading.settings import SETTING, TradingSettings
 
 
@@ -39,19 +39,39 @@ def fernet(settings: TradingSettings, home: Path) -> Fernet:
     return Fernet(path.read_bytes().strip())
 
 
-def store_token(
-    conn: Connection, box: Fernet, user_id: str, broker: str, token: str, *, owner: str | None = None
-) -> None:
-    """Keep (or replace) the user's token for ``broker``, encrypted; a new connection
-    records ``owner``, a replaced one keeps its own."""
+def claim_user(conn: Connection, user_id: str, owner: str | None) -> str | None:
+    """Record ``owner`` as the user's on first sight (insert or ignore, atomic under
+    concurrent claims: the primary key decides); return the owner on record."""
+    conn.execute(
+        upsert(conn, t.users)
+        .values(user_id=user_id, owner=owner, created_at=db_now())
+        .on_conflict_do_nothing(index_elements=["user_id"])
+    )
+    found = conn.execute(select(t.users.c.owner).where(t.users.c.user_id == user_id)).scalar_one()
+    return None if found is None else str(found)
+
+
+def owner_of(conn: Connection, user_id: str) -> tuple[bool, str | None]:
+    """Whether the user is known (connected once), and their owner."""
+    row = conn.execute(select(t.users.c.owner).where(t.users.c.user_id == user_id)).first()
+    return (row is not None, None if row is None or row[0] is None else str(row[0]))
+
+
+def check_job_owner(conn: Connection, user_id: str, job_owner: str | None) -> None:
+    """Refuse (:class:`NotYourUser`) a job of an API owner for a user another owner (or the
+    deployment) connected; the deployment's own jobs (no owner) act for any user."""
+    if job_owner is None:
+        return
+    known, holder = owner_of(conn, user_id)
+    if known and holder != job_owner:
+        raise NotYourUser(f"no trading user {user_id} for this job's owner: nothing was done")
+
+
+def store_token(conn: Connection, box: Fernet, user_id: str, broker: str, token: str) -> None:
+    """Keep (or replace) the user's token for ``broker``, encrypted."""
     sealed = box.encrypt(token.encode()).decode()
     stmt = upsert(conn, t.connections).values(
-        user_id=user_id,
-        broker=broker,
-        token_enc=sealed,
-        owner=owner,
-        created_at=db_now(),
-        updated_at=db_now(),
+        user_id=user_id, broker=broker, token_enc=sealed, created_at=db_now(), updated_at=db_now()
     )
     conn.execute(
         stmt.on_conflict_do_update(
@@ -94,4 +114,12 @@ def read_token(conn: Connection, box: Fernet, user_id: str, broker: str) -> str:
         ) from None
 
 
-__all__ = ["connected_broker", "fernet", "read_token", "store_token"]
+__all__ = [
+    "check_job_owner",
+    "claim_user",
+    "connected_broker",
+    "fernet",
+    "owner_of",
+    "read_token",
+    "store_token",
+]

@@ -5,6 +5,7 @@ limits that never cost an attempt, and the bad inputs a caller can send."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -239,3 +240,111 @@ def test_the_ai_coach_down_dead_letters_the_score_after_three_attempts_naming_th
     row = job_row(platform, score.id)
     assert row["attempts"] - row["uncounted"] == 3
     assert "/v1/bias" in row["last_error"] and "gave up after 3 of 3 attempts" in row["last_error"]
+
+
+def test_an_import_again_tells_only_the_new_trades_and_keeps_rejects_uncounted_twice(
+    platform: Any, trading: TradingPeers, worker: Any, tag: str
+) -> None:
+    from pipelines.trading.jobs import user_status
+
+    rows = sample_trades("coinbase", 40, start=days_ago(12), seed=21)
+    bad = {**rows[0], "trade_id": "bad-row", "price": "n/a"}
+    connected_user(platform, trading, tag, rows=[*rows[:30], bad])
+    first = submit_import(platform, tag)
+    assert first.wait(60) == s.SUCCEEDED and _score_of(platform, first.id).wait(90) == s.SUCCEEDED
+    assert len(reflect_events(platform, tag)) == 30
+    trading.broker.set_user(tag, "coinbase", f"tok-{tag}-canary", [*rows, bad])  # ten more, the bad row again
+    again = submit_import(platform, tag)
+    assert again.wait(60) == s.SUCCEEDED and job_row(platform, again.id)["result"]["stored"] == 10
+    rescored = _score_of(platform, again.id)
+    assert rescored.wait(90) == s.SUCCEEDED
+    told = [e["tradeId"] for e in reflect_events(platform, tag)]
+    assert len(told) == 40 and len(set(told)) == 40  # the 30 already told are not told again
+    standing = user_status(platform, tag)
+    assert (standing["trades"], standing["rejected"], standing["reflect_events"]) == (40, 1, 40)
+    # An explicit re-score (the seed's) tags the window again, replacing the tags.
+    retag = submit_score(platform, tag)
+    assert retag.wait(90) == s.SUCCEEDED and job_row(platform, retag.id)["result"]["reflected"] == 40
+
+
+def test_a_job_of_another_owner_for_a_user_does_nothing(
+    platform: Any, trading: TradingPeers, worker: Any, tag: str
+) -> None:
+    from pipelines.trading.jobs import connect_broker
+
+    rows = sample_trades("coinbase", 10, start=days_ago(8), seed=4)
+    trading.broker.set_user(tag, "coinbase", f"tok-{tag}", rows)
+    connect_broker(platform, tag, "coinbase", f"tok-{tag}", owner=f"alice-{tag}")
+    start = days_ago(8).date()
+    # As POST /jobs would submit them for another token's owner: by name, no trading route.
+    theirs = [
+        platform.submit("conveyor.trading.import_trades", {"userId": tag}, owner=f"bob-{tag}"),
+        platform.submit(
+            "conveyor.trading.digest_weekly",
+            {"userId": tag, "periodStart": str(start), "periodEnd": str(start + dt.timedelta(days=7))},
+            owner=f"bob-{tag}",
+        ),
+        platform.submit(
+            "conveyor.trading.simulate_simple",
+            {"userId": tag, "tradeId": "x", "horizonDays": 2},
+            owner=f"bob-{tag}",
+        ),
+    ]
+    for handle in theirs:
+        assert handle.wait(30) == s.DEAD
+        row = job_row(platform, handle.id)
+        assert row["error_type"] == "NotYourUser" and f"alice-{tag}" not in row["last_error"]
+    assert count(platform, t.trades, tag) == 0
+    assert all(e["user"] != tag for e in trading.broker.log())  # Alice's token never used
+    mine = submit_import(platform, tag, owner=f"alice-{tag}")
+    assert mine.wait(60) == s.SUCCEEDED and count(platform, t.trades, tag) == 10
+
+
+def test_a_digest_of_a_period_not_over_is_refused(
+    platform: Any, trading: TradingPeers, worker: Any, tag: str
+) -> None:
+    today = dt.datetime.now(dt.UTC).date()
+    from pipelines.trading.jobs import submit_digest
+
+    running = submit_digest(platform, tag, today - dt.timedelta(days=3), today + dt.timedelta(days=4))
+    assert running.wait(30) == s.DEAD
+    assert "is after today" in job_row(platform, running.id)["last_error"]
+    done = submit_digest(platform, tag, today - dt.timedelta(days=7), today)
+    assert done.wait(30) == s.SUCCEEDED
+
+
+def test_the_cli_lists_trades_and_says_why_a_job_did_not_succeed(
+    platform: Any, trading: TradingPeers, worker: Any, tag: str
+) -> None:
+    from fastapi.testclient import TestClient
+
+    import conveyor as c
+    from conveyor.web import create_app, tokens
+    from pipelines.trading.http import router
+    from tests.integration.test_trading_callers import conveyor
+
+    connected_user(platform, trading, tag, n=12)
+    imported = conveyor(platform, "import", "--user", tag, "--wait", "60")
+    assert imported.returncode == 0, imported.stderr
+    assert "stored=12" in imported.stdout and "score_job=" in imported.stdout
+    listed = conveyor(platform, "trades", "--user", tag, "--limit", "5", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)
+    assert len(rows) == 5 and {r["tradeId"] for r in rows} <= {r["id"] for r in trades(platform, tag)}
+    skipped = conveyor(platform, "sim", "--user", tag, "--trade", "no-such-trade", "--horizon", "3")
+    assert skipped.returncode == 1 and "skipped: trade not found" in skipped.stderr
+    dead = conveyor(platform, "digest", "--user", tag, "--start", "2026-01-12", "--end", "2026-01-05")
+    assert dead.returncode == 1 and "error: periodEnd" in dead.stderr
+    client = c.connect(database_url=platform.settings.database_url, redis_url=platform.settings.redis_url)
+    try:
+        with TestClient(create_app(client, routers=[router])) as api:
+            secret = tokens.create(platform.engine, owner=f"ops-{tag}", scopes=("admin",)).secret
+            got = api.get(
+                f"/trading/users/{tag}/trades",
+                params={"limit": 3},
+                headers={"Authorization": f"Bearer {secret}"},
+            )
+            assert got.status_code == 200, got.text
+            assert [r["tradeId"] for r in got.json()] == [r["tradeId"] for r in rows[:3]]
+    finally:
+        client.close()

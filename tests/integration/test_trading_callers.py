@@ -290,3 +290,39 @@ def test_an_app_submitting_by_name_joins_its_transaction_and_shares_the_seed_ids
         for row in jobs_of(platform, tag):
             platform.cancel(row["id"])
         client.close()
+
+
+def test_two_owners_connecting_one_new_user_at_once_one_wins_whole(platform: Any, tag: str) -> None:
+    import threading
+
+    from pipelines.trading.jobs import UserOfAnotherOwner, connect_broker, user_owner
+
+    for i in range(8):
+        user = f"{tag}-race-{i}"
+        gate = threading.Barrier(2)
+        outcome: dict[str, str] = {}
+
+        def connect(
+            owner: str, user: str = user, gate: threading.Barrier = gate, outcome: dict[str, str] = outcome
+        ) -> None:
+            gate.wait()
+            try:
+                connect_broker(platform, user, "coinbase", f"tok-{owner}", owner=owner)
+                outcome[owner] = "connected"
+            except UserOfAnotherOwner:
+                outcome[owner] = "refused"
+
+        threads = [threading.Thread(target=connect, args=(who,)) for who in ("alice", "bob")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert sorted(outcome.values()) == ["connected", "refused"], outcome
+        [winner] = [who for who, what in outcome.items() if what == "connected"]
+        assert user_owner(platform, user) == (True, winner)
+        from tasks.trading.settings import trading_settings_of
+        from tasks.trading.tokens import fernet, read_token
+
+        box = fernet(trading_settings_of(platform.settings), platform.settings.resolved_home())
+        with platform.engine.connect() as conn:
+            assert read_token(conn, box, user, "coinbase") == f"tok-{winner}"  # the winner's token, whole

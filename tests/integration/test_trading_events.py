@@ -46,7 +46,7 @@ def test_import_progress_then_score_reflections_arrive_in_order(
     owner = f"trader-{tag}"
     secret = token(owner)
     with trading_settings(platform, peers):
-        connected_user(platform, peers, tag, n=60)
+        connected_user(platform, peers, tag, n=60, owner=owner)
         handle = submit_import(platform, tag, owner=owner)
         assert handle.wait(60) == s.SUCCEEDED
         score = platform.job(job_row(platform, handle.id)["result"]["score_job"])

@@ -50,9 +50,15 @@ def trading(platform: Any, peers: TradingPeers, tmp_path: Path) -> Iterator[Trad
 
 
 def _imported(
-    platform: Any, peers: TradingPeers, user: str, *, n: int = 20, start: dt.datetime | None = None
+    platform: Any,
+    peers: TradingPeers,
+    user: str,
+    *,
+    n: int = 20,
+    start: dt.datetime | None = None,
+    seed: int = 11,
 ) -> list[Any]:
-    rows = sample_trades("coinbase", n, start=start or days_ago(25), seed=11)
+    rows = sample_trades("coinbase", n, start=start or days_ago(25), seed=seed)
     connected_user(platform, peers, user, rows=rows)
     handle = submit_import(platform, user)
     assert handle.wait(60) == s.SUCCEEDED
@@ -229,3 +235,21 @@ def test_the_fanout_fired_twice_makes_one_digest_per_user_and_period(
     assert len(jobs) == 3
     ready = [e for job in jobs for e in events(platform, job, "digest.ready")]
     assert len(ready) == 3 and all(e["period"] == {"start": str(start), "end": str(end)} for e in ready)
+
+
+def test_market_data_down_retries_then_answers_partially_on_the_last_attempt(
+    platform: Any, trading: TradingPeers, worker: Any, tag: str
+) -> None:
+    # A time and horizon whose market-data window no other test put in the cache.
+    trade = _imported(platform, trading, tag, n=3, start=days_ago(28), seed=77)[0]
+    trading.market.stop()
+    try:
+        handle = submit_sim(platform, tag, trade["id"], 4)
+        assert handle.wait(60) == s.SUCCEEDED
+    finally:
+        trading.market.start()
+    row = job_row(platform, handle.id)
+    assert row["attempts"] - row["uncounted"] == 3  # two transient failures first, on the schedule
+    result = handle.result
+    assert result["partial"] is True and "market data unavailable" in result["reason"]
+    assert [e.topic for e in handle.events()[0]].count("job.retrying") == 2

@@ -61,16 +61,24 @@ def days_ago(n: int) -> dt.datetime:
 
 
 def connected_user(
-    platform: Any, peers: TradingPeers, user: str, *, n: int = 60, broker: str = "coinbase", rows: Any = None
+    platform: Any,
+    peers: TradingPeers,
+    user: str,
+    *,
+    n: int = 60,
+    broker: str = "coinbase",
+    rows: Any = None,
+    owner: str | None = None,
 ) -> tuple[str, list[Any]]:
-    """``user`` connected to ``broker`` with ``n`` sample trades from 20 days ago (or
-    ``rows``); returns the token and the rows the broker serves."""
+    """``user`` connected to ``broker`` (by ``owner``'s token, else the deployment) with
+    ``n`` sample trades from 20 days ago (or ``rows``); returns the token and the rows the
+    broker serves."""
     token = f"tok-{user}-canary"
     served = (
         rows if rows is not None else sample_trades(broker, n, start=days_ago(20), seed=hash(user) % 1000)
     )
     peers.broker.set_user(user, broker, token, served)
-    connect_broker(platform, user, broker, token)
+    connect_broker(platform, user, broker, token, owner=owner)
     return token, served
 
 

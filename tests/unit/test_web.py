@@ -78,6 +78,7 @@ def test_the_document_declares_bearer_auth_and_problem_details() -> None:
         ("/trading/scores", "post"),
         ("/trading/users/{userId}", "get"),
         ("/trading/users/{userId}/connections/{broker}", "put"),
+        ("/trading/users/{userId}/trades", "get"),
     }
     for path, _, op in operations:
         assert (op.get("security") == [{"bearer": []}]) == (path != "/health")

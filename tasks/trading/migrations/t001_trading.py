@@ -1,4 +1,4 @@
-"""trading family tables: connections, trades, import rejects and cursors, bias tags, scores, digests
+"""trading family tables: users, connections, trades, import rejects and cursors, bias tags, scores, digests
 
 Revision ID: t001
 Revises:
@@ -24,11 +24,16 @@ BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 def upgrade() -> None:
     op.create_table(
+        own_table("trading_users"),
+        sa.Column("user_id", sa.String(64), primary_key=True),
+        sa.Column("owner", sa.String(64), nullable=True),
+        sa.Column("created_at", Timestamp(), nullable=False),
+    )
+    op.create_table(
         own_table("trading_connections"),
         sa.Column("user_id", sa.String(64), primary_key=True),
         sa.Column("broker", sa.String(20), primary_key=True),
         sa.Column("token_enc", sa.Text(), nullable=False),
-        sa.Column("owner", sa.String(64), nullable=True),
         sa.Column("created_at", Timestamp(), nullable=False),
         sa.Column("updated_at", Timestamp(), nullable=False),
     )
@@ -131,5 +136,6 @@ def downgrade() -> None:
         "trading_import_rejects",
         "trading_trades",
         "trading_connections",
+        "trading_users",
     ):
         op.drop_table(own_table(name))
