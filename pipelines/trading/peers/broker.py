@@ -30,7 +30,12 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from pipelines.trading.peers.serving import LoopbackPeer
+from pipelines.trading.peers.serving import (
+    LoopbackPeer,
+    PeerError,
+    json_object,
+    quiet_handler,
+)
 
 __all__ = ["BROKERS", "BrokerPeer", "sample_trades"]
 
@@ -72,14 +77,6 @@ class _Reply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-class _PeerError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers or {}
-
-
 class BrokerPeer(LoopbackPeer):
     """Broker trade-history APIs on ``host`` and ``port`` (0: the OS picks a free one); see the
     module's docstring. Usable as a context manager."""
@@ -97,7 +94,7 @@ class BrokerPeer(LoopbackPeer):
 
     def handler_class(self) -> type[BaseHTTPRequestHandler]:
         """The handler of this peer's routes."""
-        return _handler(self)
+        return quiet_handler(self._handle)
 
     # Control (the same as the /_peer routes)
 
@@ -155,7 +152,7 @@ class BrokerPeer(LoopbackPeer):
         raw = handler.rfile.read(length) if length else b""
         try:
             reply = self._route(method, split.path, dict(parse_qsl(split.query)), handler, raw)
-        except _PeerError as exc:
+        except PeerError as exc:
             reply = _json_reply(exc.status, {"error": exc.message}, exc.headers)
         try:
             handler.send_response(reply.status)
@@ -176,31 +173,31 @@ class BrokerPeer(LoopbackPeer):
             return self._control(method, parts[1:], raw)
         if len(parts) == 3 and parts[0] == "v1" and parts[2] == "trades" and method == "GET":
             return self._trades(parts[1], query, handler.headers.get("Authorization") or "")
-        raise _PeerError(404, f"no route {method} {path}")
+        raise PeerError(404, f"no route {method} {path}")
 
     def _control(self, method: str, parts: list[str], raw: bytes) -> _Reply:
         if parts == ["faults"] and method == "POST":
-            body = _json_body(raw)
+            body = json_object(raw)
             try:
                 return _json_reply(200, self.faults(**body))
             except (TypeError, ValueError) as exc:
-                raise _PeerError(400, str(exc)) from None
+                raise PeerError(400, str(exc)) from None
         if parts == ["log"] and method == "GET":
             return _json_reply(200, self.log())
         if parts == ["log"] and method == "DELETE":
             self.clear_log()
             return _json_reply(200, {"cleared": True})
         if len(parts) == 2 and parts[0] == "users" and method == "PUT":
-            body = _json_body(raw)
+            body = json_object(raw)
             broker, token, trades = body.get("broker"), body.get("token"), body.get("trades")
             if not isinstance(broker, str) or not isinstance(token, str) or not isinstance(trades, list):
-                raise _PeerError(400, "expected {broker: str, token: str, trades: list}")
+                raise PeerError(400, "expected {broker: str, token: str, trades: list}")
             try:
                 self.set_user(parts[1], broker, token, trades)
             except ValueError as exc:
-                raise _PeerError(400, str(exc)) from None
+                raise PeerError(400, str(exc)) from None
             return _json_reply(200, {"user": parts[1], "broker": broker, "rows": len(trades)})
-        raise _PeerError(404, f"no route {method} /_peer/{'/'.join(parts)}")
+        raise PeerError(404, f"no route {method} /_peer/{'/'.join(parts)}")
 
     def _trades(self, broker: str, query: dict[str, str], authorization: str) -> _Reply:
         with self._lock:
@@ -217,19 +214,19 @@ class BrokerPeer(LoopbackPeer):
             entry: dict[str, Any] = {"user": user, "broker": broker, "cursor": cursor, "page": page}
             try:
                 headers = self._admit(token)
-            except _PeerError as exc:
+            except PeerError as exc:
                 self._log.append({**entry, "status": exc.status})
                 raise
             try:
                 if broker not in BROKERS:
-                    raise _PeerError(404, f"unknown broker {broker!r}")
+                    raise PeerError(404, f"unknown broker {broker!r}")
                 if account is None or account.broker != broker:
-                    raise _PeerError(401, "invalid or expired token")
+                    raise PeerError(401, "invalid or expired token")
                 if offset is None:
-                    raise _PeerError(400, "invalid cursor")
+                    raise PeerError(400, "invalid cursor")
                 since = _parse_since(query.get("since"))
                 rows = [r for r in account.trades if not _before(broker, r, since)]
-            except _PeerError as exc:
+            except PeerError as exc:
                 exc.headers.update(headers)
                 self._log.append({**entry, "status": exc.status})
                 raise
@@ -246,13 +243,13 @@ class BrokerPeer(LoopbackPeer):
         return _json_reply(200, answer, headers)
 
     def _admit(self, token: str) -> dict[str, str]:
-        """The rate-limit headers of an admitted request; raises a 429 ``_PeerError`` during a
+        """The rate-limit headers of an admitted request; raises a 429 ``PeerError`` during a
         storm or past the window's budget. Holds ``self._lock``."""
         faults = self._faults
         if faults.storm > 0:
             faults.storm -= 1
             wait = faults.retry_after_s
-            raise _PeerError(429, "rate limited (storm)", _limit_headers(0, wait, retry_after=wait))
+            raise PeerError(429, "rate limited (storm)", _limit_headers(0, wait, retry_after=wait))
         if faults.rate_per_s <= 0:
             return _limit_headers(_UNLIMITED_REMAINING, 0.0)
         now = time.monotonic()
@@ -261,7 +258,7 @@ class BrokerPeer(LoopbackPeer):
             window = self._windows[token] = _Window(now)
         reset = max(0.0, window.started + 1.0 - now)
         if window.count >= faults.rate_per_s:
-            raise _PeerError(429, "rate limited", _limit_headers(0, reset, retry_after=reset))
+            raise PeerError(429, "rate limited", _limit_headers(0, reset, retry_after=reset))
         window.count += 1
         return _limit_headers(faults.rate_per_s - window.count, reset)
 
@@ -295,16 +292,6 @@ def _json_reply(status: int, payload: Any, headers: dict[str, str] | None = None
     return _Reply(status, json.dumps(payload).encode(), dict(headers or {}))
 
 
-def _json_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise _PeerError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise _PeerError(400, "the body must be a JSON object")
-    return body
-
-
 def _encode_cursor(offset: int) -> str:
     return base64.urlsafe_b64encode(f"offset:{offset}".encode()).decode().rstrip("=")
 
@@ -329,7 +316,7 @@ def _parse_since(value: str | None) -> datetime | None:
     try:
         return datetime.combine(date.fromisoformat(value), datetime.min.time(), UTC)
     except ValueError:
-        raise _PeerError(400, "since must be a date YYYY-MM-DD") from None
+        raise PeerError(400, "since must be a date YYYY-MM-DD") from None
 
 
 def _row_time(broker: str, row: Any) -> datetime | None:
@@ -356,24 +343,6 @@ def _before(broker: str, row: Any, since: datetime | None) -> bool:
         return False
     ts = _row_time(broker, row)
     return ts is not None and ts < since
-
-
-def _handler(peer: BrokerPeer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # Headers and body go out in two writes on a kept-alive connection: with Nagle's
-        # algorithm and the client's delayed ACK each answer would wait ~40 ms more.
-        disable_nagle_algorithm = True
-
-        def _serve(self) -> None:
-            peer._handle(self, self.command)
-
-        do_GET = do_POST = do_PUT = do_DELETE = _serve
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # request lines would carry nothing useful; the peer's log records each request
-
-    return Handler
 
 
 # Sample data

@@ -29,7 +29,13 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipelines.trading.peers.serving import LoopbackPeer
+from pipelines.trading.peers.serving import (
+    LoopbackPeer,
+    PeerError,
+    content_length,
+    json_object,
+    quiet_handler,
+)
 from tasks.trading.series import Candle, local_indicators
 from tasks.trading.signing import Verifier
 
@@ -49,13 +55,6 @@ class _Faults:
     latency_ms: float = 0.0
     down: bool = False
     fail_5xx: int = 0
-
-
-class _PeerError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class _Hangup(Exception):
@@ -86,7 +85,7 @@ class CoachPeer(LoopbackPeer):
 
     def handler_class(self) -> type[BaseHTTPRequestHandler]:
         """The handler of this peer's routes."""
-        return _handler(self)
+        return quiet_handler(self._handle)
 
     # Control (the same as the /_peer routes)
 
@@ -115,7 +114,7 @@ class CoachPeer(LoopbackPeer):
     # Serving (called from the handler's threads)
 
     def _handle(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        length = _content_length(handler)
+        length = content_length(handler, _MAX_BODY)
         if length > _MAX_BODY:
             handler.close_connection = True
             self._send(handler, 413, {"error": "body too large"})
@@ -127,7 +126,7 @@ class CoachPeer(LoopbackPeer):
             # No status line at all: the client sees the connection drop, as with a dead host.
             handler.close_connection = True
             return
-        except _PeerError as exc:
+        except PeerError as exc:
             status, answer = exc.status, {"error": exc.message}
         self._send(handler, status, answer)
 
@@ -151,11 +150,11 @@ class CoachPeer(LoopbackPeer):
             return 200, self.stats()
         if path == "/_peer/faults" and method == "POST":
             try:
-                return 200, self.faults(**_json_object(raw))
+                return 200, self.faults(**json_object(raw))
             except (TypeError, ValueError) as exc:
-                raise _PeerError(400, str(exc)) from None
+                raise PeerError(400, str(exc)) from None
         if not path.startswith("/v1/"):
-            raise _PeerError(404, f"no route {method} {path}")
+            raise PeerError(404, f"no route {method} {path}")
         with self._lock:
             self._requests[path if path in _ROUTES else "other"] += 1
             faults = _Faults(**vars(self._faults))
@@ -166,7 +165,7 @@ class CoachPeer(LoopbackPeer):
         if faults.down:
             raise _Hangup
         if faults.fail_5xx > 0:
-            raise _PeerError(503, "the AI coach is temporarily unavailable")
+            raise PeerError(503, "the AI coach is temporarily unavailable")
         # The signature covers the request target exactly as sent, query string included.
         reason = self._verifier.check(method, target, dict(handler.headers.items()), raw)
         with self._lock:
@@ -175,10 +174,10 @@ class CoachPeer(LoopbackPeer):
             else:
                 self._accepted += 1
         if reason is not None:
-            raise _PeerError(401, reason)
+            raise PeerError(401, reason)
         if method != "POST" or path not in _ROUTES:
-            raise _PeerError(404, f"no route {method} {path}")
-        body = _json_object(raw)
+            raise PeerError(404, f"no route {method} {path}")
+        body = json_object(raw)
         if path == "/v1/indicators":
             return 200, _indicators(body)
         if path == "/v1/bias":
@@ -189,30 +188,30 @@ class CoachPeer(LoopbackPeer):
 def _indicators(body: dict[str, Any]) -> dict[str, Any]:
     symbol, ts, series = body.get("symbol"), body.get("ts"), body.get("series")
     if not isinstance(symbol, str) or not symbol:
-        raise _PeerError(400, "symbol must be a non-empty string")
+        raise PeerError(400, "symbol must be a non-empty string")
     moment = _parse_time(ts, "ts")
     if not isinstance(series, list) or len(series) > _MAX_SERIES:
-        raise _PeerError(400, f"series must be a list of at most {_MAX_SERIES} candles")
+        raise PeerError(400, f"series must be a list of at most {_MAX_SERIES} candles")
     candles = []
     for index, item in enumerate(series):
         try:
             candles.append(Candle.from_json(item))
         except (KeyError, TypeError, ValueError, AttributeError):
-            raise _PeerError(400, f"series[{index}] is not a candle") from None
+            raise PeerError(400, f"series[{index}] is not a candle") from None
     return {"symbol": symbol, **local_indicators(candles, moment)}
 
 
 def _bias(body: dict[str, Any]) -> dict[str, Any]:
     trades = body.get("trades")
     if not isinstance(body.get("userId"), str) or not body["userId"]:
-        raise _PeerError(400, "userId must be a non-empty string")
+        raise PeerError(400, "userId must be a non-empty string")
     if not isinstance(trades, list) or len(trades) > _MAX_TRADES:
-        raise _PeerError(400, f"trades must be a list of at most {_MAX_TRADES} trades")
+        raise PeerError(400, f"trades must be a list of at most {_MAX_TRADES} trades")
     scores: dict[str, dict[str, float]] = {}
     for index, trade in enumerate(trades):
         trade_id = trade.get("tradeId") if isinstance(trade, dict) else None
         if isinstance(trade_id, bool) or not isinstance(trade_id, str | int) or trade_id == "":
-            raise _PeerError(400, f"trades[{index}].tradeId must be a string or an integer")
+            raise PeerError(400, f"trades[{index}].tradeId must be a string or an integer")
         scores[str(trade_id)] = bias_scores(str(trade_id))
     return {"scores": scores}
 
@@ -230,11 +229,11 @@ def bias_scores(trade_id: str) -> dict[str, float]:
 def _reflect(body: dict[str, Any]) -> str:
     features, label, tone = body.get("features", {}), body.get("label"), body.get("tone", "supportive")
     if not isinstance(features, dict):
-        raise _PeerError(400, "features must be an object")
+        raise PeerError(400, "features must be an object")
     if not isinstance(label, str) or not label or len(label) > 64:
-        raise _PeerError(400, "label must be a non-empty string")
+        raise PeerError(400, "label must be a non-empty string")
     if tone not in TONES:
-        raise _PeerError(400, f"tone must be one of {', '.join(TONES)}")
+        raise PeerError(400, f"tone must be one of {', '.join(TONES)}")
     return reflect_text(features, label, tone)
 
 
@@ -314,11 +313,11 @@ def _count(value: Any) -> str:
 
 def _parse_time(value: Any, name: str) -> datetime:
     if not isinstance(value, str):
-        raise _PeerError(400, f"{name} must be an ISO-8601 time")
+        raise PeerError(400, f"{name} must be an ISO-8601 time")
     try:
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise _PeerError(400, f"{name} must be an ISO-8601 time") from None
+        raise PeerError(400, f"{name} must be an ISO-8601 time") from None
     return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
 
 
@@ -334,41 +333,3 @@ def _fault_value(name: str, value: Any) -> Any:
     if int(value) != value:
         raise ValueError(f"{name} must be an integer")
     return int(value)
-
-
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw or b"{}")
-    except ValueError:
-        raise _PeerError(400, "the body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise _PeerError(400, "the body must be a JSON object")
-    return body
-
-
-def _content_length(handler: BaseHTTPRequestHandler) -> int:
-    """The request's body length; an unreadable or negative one reads as too large (refused)."""
-    try:
-        length = int(handler.headers.get("Content-Length") or 0)
-    except ValueError:
-        return _MAX_BODY + 1
-    return length if length >= 0 else _MAX_BODY + 1
-
-
-def _handler(peer: CoachPeer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # Headers and body go out in two writes on a kept-alive connection: with Nagle's
-        # algorithm and the client's delayed ACK each answer would wait ~40 ms more.
-        disable_nagle_algorithm = True
-
-        def do_GET(self) -> None:
-            peer._handle(self, "GET")
-
-        def do_POST(self) -> None:
-            peer._handle(self, "POST")
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # the tests' output stays readable; stats() counts every request
-
-    return Handler

@@ -47,7 +47,12 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from pipelines.trading.peers.serving import LoopbackPeer
+from pipelines.trading.peers.serving import (
+    LoopbackPeer,
+    PeerError,
+    content_length,
+    quiet_handler,
+)
 from tasks.trading.series import Candle
 
 __all__ = ["ANCHOR", "MAX_CANDLES", "PRIMARY", "VENDOR", "MarketPeer", "SymbolPath", "is_crypto"]
@@ -159,14 +164,6 @@ class _Faults:
     vendor_429: int = 0
 
 
-class _PeerError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers or {}
-
-
 class MarketPeer(LoopbackPeer):
     """Generated OHLCV on ``host`` and ``port`` (0: the OS picks a free one), the random
     streams offset by ``seed``; see the module's docstring. Usable as a context manager."""
@@ -187,7 +184,7 @@ class MarketPeer(LoopbackPeer):
 
     def handler_class(self) -> type[BaseHTTPRequestHandler]:
         """The handler of this peer's routes."""
-        return _handler(self)
+        return quiet_handler(self._handle)
 
     # Control (the same as the /_peer routes)
 
@@ -255,7 +252,7 @@ class MarketPeer(LoopbackPeer):
     # Serving (called from the handler's threads)
 
     def _handle(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        length = _content_length(handler)
+        length = content_length(handler, _MAX_BODY)
         if length > _MAX_BODY:
             handler.close_connection = True  # its unread body would garble the next request
             length = 0
@@ -263,7 +260,7 @@ class MarketPeer(LoopbackPeer):
         headers: dict[str, str] = {}
         try:
             status, answer = self._route(method, handler.path, raw)
-        except _PeerError as exc:
+        except PeerError as exc:
             status, answer, headers = exc.status, {"error": exc.message}, exc.headers
         data = json.dumps(answer).encode()
         try:
@@ -288,14 +285,14 @@ class MarketPeer(LoopbackPeer):
                     raise ValueError("the body must be a JSON object")
                 return 200, self.faults(**body)
             except (TypeError, ValueError) as exc:
-                raise _PeerError(400, str(exc)) from None
+                raise PeerError(400, str(exc)) from None
         if split.path not in ROUTES or method != "GET":
-            raise _PeerError(404, f"no route {method} {split.path}")
+            raise PeerError(404, f"no route {method} {split.path}")
         fault, retry_after = self._take_fault(split.path)
         if fault == "429":
-            raise _PeerError(429, "rate limited", {"Retry-After": f"{retry_after:g}"})
+            raise PeerError(429, "rate limited", {"Retry-After": f"{retry_after:g}"})
         if fault == "503":
-            raise _PeerError(503, "market data is temporarily unavailable")
+            raise PeerError(503, "market data is temporarily unavailable")
         return 200, self._ohlcv(dict(parse_qsl(split.query)))
 
     def _take_fault(self, path: str) -> tuple[str | None, float]:
@@ -329,9 +326,9 @@ class MarketPeer(LoopbackPeer):
         try:
             candles = self.candles(symbol, granularity, start, end)
         except OverflowError as exc:
-            raise _PeerError(422, str(exc)) from None
+            raise PeerError(422, str(exc)) from None
         except ValueError as exc:
-            raise _PeerError(400, str(exc)) from None
+            raise PeerError(400, str(exc)) from None
         return {"symbol": symbol, "granularity": granularity, "candles": [c.to_json() for c in candles]}
 
 
@@ -362,37 +359,9 @@ def _utc(moment: datetime) -> datetime:
 
 def _parse_time(value: str | None, name: str) -> datetime:
     if not value:
-        raise _PeerError(400, f"{name} is required (ISO-8601)")
+        raise PeerError(400, f"{name} is required (ISO-8601)")
     try:
         # An unescaped "+" of an offset arrives as a space in a query string.
         return _utc(datetime.fromisoformat(value.strip().replace(" ", "+").replace("Z", "+00:00")))
     except ValueError:
-        raise _PeerError(400, f"{name} must be an ISO-8601 time") from None
-
-
-def _content_length(handler: BaseHTTPRequestHandler) -> int:
-    """The request's body length; an unreadable or negative one reads as too large (refused)."""
-    try:
-        length = int(handler.headers.get("Content-Length") or 0)
-    except ValueError:
-        return _MAX_BODY + 1
-    return length if length >= 0 else _MAX_BODY + 1
-
-
-def _handler(peer: MarketPeer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        # Headers and body go out in two writes on a kept-alive connection: with Nagle's
-        # algorithm and the client's delayed ACK each answer would wait ~40 ms more.
-        disable_nagle_algorithm = True
-
-        def do_GET(self) -> None:
-            peer._handle(self, "GET")
-
-        def do_POST(self) -> None:
-            peer._handle(self, "POST")
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # the tests' output stays readable; stats() counts every request
-
-    return Handler
+        raise PeerError(400, f"{name} must be an ISO-8601 time") from None
