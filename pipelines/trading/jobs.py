@@ -22,6 +22,7 @@ from conveyor.platform import Platform
 from conveyor.store.db.namespace import use_schema
 from conveyor.store.db.schema import job_events
 from tasks.trading import tables as t
+from tasks.trading.imports import day_of
 from tasks.trading.models import (
     DIGEST_STAGE,
     FANOUT_STAGE,
@@ -102,7 +103,7 @@ def submit_import(
     """Submit ``conveyor.trading.import_trades``; returns the job's handle."""
     payload: dict[str, Any] = {"userId": user_id}
     if since is not None:
-        payload["sinceIso"] = since.isoformat() if isinstance(since, dt.date) else since
+        payload["sinceIso"] = since.isoformat() if isinstance(since, dt.date) else _day_given(since)
     if broker is not None:
         payload["broker"] = broker
     return platform.submit(IMPORT_STAGE, payload, session=session, owner=owner)
@@ -119,8 +120,15 @@ def submit_score(
     """Submit ``conveyor.trading.score_bias``; returns the job's handle."""
     payload: dict[str, Any] = {"userId": user_id}
     if since is not None:
-        payload["sinceIso"] = since.isoformat() if isinstance(since, dt.date) else since
+        payload["sinceIso"] = since.isoformat() if isinstance(since, dt.date) else _day_given(since)
     return platform.submit(SCORE_STAGE, payload, session=session, owner=owner)
+
+
+def _day_given(value: str) -> str:
+    """``value`` unchanged once it is known to be a real day (the model checks its form)."""
+    if isinstance(value, str) and len(value) == 10:
+        day_of(value)  # 2025-02-30 is refused here, not dead-lettered when the job runs
+    return value
 
 
 def _day(value: dt.date | str) -> str:

@@ -86,6 +86,14 @@ def resume_point(conn: Connection, job_id: str) -> Progress:
     )
 
 
+def day_of(value: str) -> dt.date:
+    """A payload's ``YYYY-MM-DD`` as a day; one the calendar lacks is the caller's mistake."""
+    try:
+        return dt.date.fromisoformat(value)
+    except ValueError:
+        raise PayloadInvalid(f"sinceIso: {value} is not a day of the calendar") from None
+
+
 def check_since(since: dt.date, today: dt.date) -> None:
     """A window that starts in the future is a caller's mistake: dead-letter it at once."""
     if since > today:
@@ -271,6 +279,7 @@ __all__ = [
     "Importer",
     "Progress",
     "check_since",
+    "day_of",
     "db_emit",
     "default_since",
     "resume_point",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 IMPORT_STAGE = "conveyor.trading.import_trades"
 SCORE_STAGE = "conveyor.trading.score_bias"
@@ -25,6 +25,9 @@ USER_ID_PATTERN = (
 )
 
 _USER = Field(pattern=USER_ID_PATTERN, description="a plain user id: 1-64 of A-Z a-z 0-9 . _ -")
+# A day as the seed's producers send it, "YYYY-MM-DD" and nothing else (a date type would
+# also take a number or a datetime); a day the calendar lacks (02-30) is refused at run.
+DAY_PATTERN = r"^[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])$"
 
 
 class ImportJob(BaseModel):
@@ -33,8 +36,11 @@ class ImportJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     userId: str = _USER
-    sinceIso: dt.date | None = Field(
-        default=None, description="YYYY-MM-DD, inclusive; absent: UTC today - 30 days"
+    sinceIso: str | None = Field(
+        default=None,
+        pattern=DAY_PATTERN,
+        json_schema_extra={"format": "date"},
+        description="YYYY-MM-DD, inclusive; absent: UTC today - 30 days",
     )
     broker: Literal["coinbase", "binance"] | None = Field(
         default=None, description="absent: the user's connected broker"
@@ -47,10 +53,13 @@ class ScoreJob(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     userId: str = _USER
-    sinceIso: dt.date | None = Field(
-        default=None, description="YYYY-MM-DD, inclusive; absent: UTC today - 30 days"
+    sinceIso: str | None = Field(
+        default=None,
+        pattern=DAY_PATTERN,
+        json_schema_extra={"format": "date"},
+        description="YYYY-MM-DD, inclusive; absent: UTC today - 30 days",
     )
-    retag: bool = Field(
+    retag: StrictBool = Field(
         default=True,
         description="tag every trade of the window again (the seed's re-score); false: only "
         "trades without a tag (what an import submits, so a trade is told once)",
@@ -88,6 +97,7 @@ class FanoutJob(BaseModel):
 
 
 __all__ = [
+    "DAY_PATTERN",
     "DIGEST_STAGE",
     "FANOUT_STAGE",
     "IMPORT_STAGE",

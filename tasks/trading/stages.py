@@ -33,7 +33,7 @@ from tasks.files.storage import new_storage
 from tasks.trading import digests, telemetry
 from tasks.trading.broker import BrokerClient
 from tasks.trading.coach import CoachClient
-from tasks.trading.imports import Importer, check_since, db_emit, default_since, resume_point
+from tasks.trading.imports import Importer, check_since, day_of, db_emit, default_since, resume_point
 from tasks.trading.market import MarketClient
 from tasks.trading.models import (
     DIGEST_STAGE,
@@ -109,7 +109,7 @@ def import_trades(ctx: JobContext, p: ImportJob) -> dict[str, Any]:
     submit their score; see :mod:`tasks.trading.imports`."""
     settings = _trading()
     today = _today()
-    since = p.sinceIso or default_since(today)
+    since = day_of(p.sinceIso) if p.sinceIso else default_since(today)
     check_since(since, today)
     platform = current_platform()
     with reading(ctx.services.connections.engine) as conn:
@@ -153,7 +153,7 @@ def score_bias(ctx: JobContext, p: ScoreJob) -> dict[str, Any]:
     """Tag the user's trades since ``sinceIso`` and emit one ``coach.reflect`` each; see
     :mod:`tasks.trading.scoring`."""
     settings = _trading()
-    since = p.sinceIso or default_since(_today())
+    since = day_of(p.sinceIso) if p.sinceIso else default_since(_today())
     secret = settings.ai_secret.get_secret_value() if settings.ai_secret is not None else ""
     coach = CoachClient(
         _needed(settings.ai_url, "ai_url"),

@@ -138,5 +138,8 @@ def test_a_later_interrupt_does_not_cut_the_stopping_body_short(
     )
     assert "job.preempted" in topics and "job.requeued" not in topics, topics
     assert f"{tag}:cleanup:1" in _markers(platform, tag)  # the cleanup write committed
-    # Attempt 1 uncounted (the relay may already have handed the job to a parked attempt 2).
-    assert holder.row()["uncounted"] == 1
+    # Attempt 1 uncounted, not an infrastructure requeue. The preemption request stays on
+    # the lease (its preemptor here never comes): the relay may already have handed the job
+    # to attempt 2, which yields too, so at least one.
+    row = holder.row()
+    assert row["uncounted"] >= 1 and row["requeues"] == 0

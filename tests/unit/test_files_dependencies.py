@@ -20,10 +20,14 @@ def _floor(distribution: str) -> Version:
         *project["dependencies"],
         *(d for ds in project.get("optional-dependencies", {}).values() for d in ds),
     ]
-    (spec,) = [d for d in declared if re.match(rf"{distribution}\s*[<>=!~;\[]", d)]
-    floors = re.findall(r">=\s*([0-9][0-9.]*)", spec)
-    assert floors, f"{distribution} has no lower bound: {spec!r}"
-    return Version(floors[0])
+    specs = [d for d in declared if re.match(rf"{distribution}\s*[<>=!~;\[]", d)]
+    assert specs, f"{distribution} is not declared"
+    lowest: list[Version] = []
+    for spec in specs:  # every extra that declares it (files, operations) has a floor
+        floors = re.findall(r">=\s*([0-9][0-9.]*)", spec)
+        assert floors, f"{distribution} has no lower bound: {spec!r}"
+        lowest.append(Version(floors[0]))
+    return min(lowest)
 
 
 def test_pypdf_floor_is_past_its_dos_fixes() -> None:
