@@ -52,11 +52,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.cookies import CookieError, SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from types import FrameType, TracebackType
+from http.server import BaseHTTPRequestHandler
+from types import FrameType
 from typing import Any, Self
 from urllib.parse import parse_qs, quote, urlsplit
 
+from pipelines.loopback import LoopbackPeer
 from pipelines.operations.peers import erp_pages as pages
 from pipelines.operations.peers.erp_pages import Books, Customer, Order, generate_books
 from pipelines.operations.peers.erp_pdf import as_json, ddt_pdf, export_pdf, export_rows
@@ -93,7 +94,7 @@ def _pdf(body: bytes, filename: str) -> _Reply:
     return _Reply(200, body, "application/pdf", {"Content-Disposition": f'attachment; filename="{filename}"'})
 
 
-class ErpPeer:
+class ErpPeer(LoopbackPeer):
     """The ERP on ``host``/``port`` (0: a free port): :meth:`start`, :meth:`stop` (idempotent;
     :meth:`start` listens again on the same port, records kept), :attr:`url`, a context
     manager. ``customers``/``orders``/``products``: how many each login starts with."""
@@ -112,7 +113,8 @@ class ErpPeer:
             raise ValueError("customers, orders and products must be >= 0")
         if orders and not (customers and products):
             raise ValueError("orders need at least one customer and one product")
-        self.host, self.port, self.seed = host, port, seed
+        super().__init__(host, port)
+        self.seed = seed
         self._password = password
         self._sizes = (customers, orders, products)
         self._lock = threading.Lock()
@@ -124,48 +126,25 @@ class ErpPeer:
         self._fail: list[str] = []
         self._stopping = False
         self._log: list[dict[str, Any]] = []
-        self._server: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
 
-    @property
-    def url(self) -> str:
-        """The peer's base URL."""
-        return f"http://{self.host}:{self.port}"
+    name = "erp"
+
+    def handler_class(self) -> type[BaseHTTPRequestHandler]:
+        """The handler of the ERP's pages and the control routes."""
+        return self._handler_class()
 
     def start(self) -> Self:
         """Bind (a free port when ``port`` is 0) and serve in a daemon thread; returns the peer."""
-        server = ThreadingHTTPServer((self.host, self.port), self._handler_class())
-        server.daemon_threads = True
-        self.port = int(server.server_address[1])
         with self._lock:
             self._stopping = False
-        self._server = server
-        self._thread = threading.Thread(
-            target=server.serve_forever, args=(0.05,), name="erp-peer", daemon=True
-        )
-        self._thread.start()
-        return self
+        return super().start()
 
     def stop(self) -> None:
         """Stop serving and close the socket; hung requests are let go (idempotent)."""
         with self._lock:
             self._stopping = True
             self._faults_changed.notify_all()
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        super().stop()
 
     # Control (the same as the /_peer routes)
 

@@ -30,7 +30,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from pipelines.trading.peers.serving import (
+from pipelines.loopback import (
     LoopbackPeer,
     PeerError,
     json_object,

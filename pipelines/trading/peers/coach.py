@@ -29,7 +29,7 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlsplit
 
-from pipelines.trading.peers.serving import (
+from pipelines.loopback import (
     LoopbackPeer,
     PeerError,
     content_length,

@@ -47,7 +47,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import numpy as np
 
-from pipelines.trading.peers.serving import (
+from pipelines.loopback import (
     LoopbackPeer,
     PeerError,
     content_length,

@@ -1,5 +1,6 @@
-"""What the trading peers share: a stdlib ``ThreadingHTTPServer`` on loopback, served from
-a daemon thread, started and stopped (and restarted on the same port) the same way."""
+"""What the local peers share (trading, operations): a stdlib ``ThreadingHTTPServer`` on
+loopback, served from a daemon thread, started and stopped (and restarted on the same
+port) the same way."""
 
 from __future__ import annotations
 
